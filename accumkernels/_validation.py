@@ -1,0 +1,156 @@
+"""Argument checks for the public ops, shared by every backend.
+
+Everything is checked before any backend runs, so a bad call writes nothing.
+Errors name the argument and list index: TypeError for a wrong type, dtype or
+layout, ValueError for a wrong length, size, layout or value, RuntimeError for
+a wrong device (as torch does).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+
+import torch
+
+GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+PARAM_DTYPES = GRAD_DTYPES
+F32 = (torch.float32,)
+
+
+def _names(dtypes) -> str:
+    return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+
+
+def as_tensor_list(op: str, value, name: str, *, optional: bool = False) -> list[torch.Tensor]:
+    """A list or tuple of tensors (None or empty for an absent optional list)."""
+    if value is None and optional:
+        return []
+    if isinstance(value, torch.Tensor) or not isinstance(value, Sequence):
+        raise TypeError(f"{op}: {name} must be a list or tuple of tensors; got {type(value).__name__}")
+    out = list(value)
+    for i, t in enumerate(out):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name}[{i}] must be a torch.Tensor; got {type(t).__name__}")
+    return out
+
+
+def check_length(op: str, values: list, name: str, expected: int, reason: str) -> None:
+    if len(values) != expected:
+        raise ValueError(f"{op}: {name} has {len(values)} tensors; expected {expected} ({reason})")
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: the elements fill numel() slots of memory."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def check_tensor(op: str, t: torch.Tensor, name: str, i: int, device: torch.device, dtypes) -> None:
+    where = f"{op}: {name}[{i}]"
+    if t.layout != torch.strided:
+        raise TypeError(f"{where} has layout {t.layout}; expected a strided (dense) tensor, not a sparse one")
+    if t.device != device:
+        raise RuntimeError(f"{where} is on {t.device}; expected {device} (the device of the first tensor)")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{where} has dtype {t.dtype}; expected one of {_names(dtypes)}")
+    if not is_dense(t):
+        raise ValueError(
+            f"{where} (sizes {tuple(t.shape)}, strides {t.stride()}) is not dense; "
+            "expected a tensor whose elements fill its memory (contiguous in some dimension order)"
+        )
+
+
+def check_like(op: str, t: torch.Tensor, name: str, i: int, ref: torch.Tensor, ref_name: str, dtypes) -> None:
+    """t is valid and holds its elements in the same memory order as ref."""
+    check_tensor(op, t, name, i, ref.device, dtypes)
+    if t.numel() != ref.numel():
+        raise ValueError(
+            f"{op}: {name}[{i}] has {t.numel()} elements (shape {tuple(t.shape)}); "
+            f"{ref_name}[{i}] has {ref.numel()} (shape {tuple(ref.shape)})"
+        )
+    if not (t.is_contiguous() and ref.is_contiguous()) and (t.shape != ref.shape or t.stride() != ref.stride()):
+        raise ValueError(
+            f"{op}: {name}[{i}] (sizes {tuple(t.shape)}, strides {t.stride()}) is not laid out like "
+            f"{ref_name}[{i}] (sizes {tuple(ref.shape)}, strides {ref.stride()}); "
+            "expected both contiguous or the same sizes and strides"
+        )
+
+
+def scale_argument(op: str, value, name: str, device: torch.device | None) -> tuple[float, torch.Tensor | None]:
+    """A scale given as a Python number or a 1-element fp32 tensor on ``device``
+    (any device when None: an empty call), split into the (float, tensor) pair
+    of the op schema."""
+    if isinstance(value, torch.Tensor):
+        check_scalar_tensor(op, value, name, value.device if device is None else device)
+        return 1.0, value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{op}: {name} must be a float or a 1-element float32 tensor; got {type(value).__name__}")
+    return float(value), None
+
+
+def check_scalar_tensor(op: str, t, name: str, device: torch.device) -> None:
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a 1-element float32 tensor or None; got {type(t).__name__}")
+    if t.layout != torch.strided or t.dtype != torch.float32:
+        raise TypeError(f"{op}: {name} must be a strided float32 tensor; got {t.dtype}, {t.layout}")
+    if t.numel() != 1:
+        raise ValueError(f"{op}: {name} must have 1 element; got {t.numel()} (shape {tuple(t.shape)})")
+    if t.device != device:
+        raise RuntimeError(f"{op}: {name} is on {t.device}; expected {device}, the device of the tensors")
+
+
+def check_number(op: str, value, name: str, *, low: float | None = None, high: float | None = None,
+                 high_inclusive: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{op}: {name} must be a float; got {type(value).__name__}")
+    v = float(value)
+    if v != v or (low is not None and v < low) or (high is not None and (v > high or (v == high and not high_inclusive))):
+        upper = "" if high is None else f" and {'<=' if high_inclusive else '<'} {high}"
+        raise ValueError(f"{op}: {name} must be >= {low}{upper}; got {value}")
+    return v
+
+
+def check_disjoint(op: str, written: dict, read: dict) -> None:
+    """No tensor the op writes shares memory with any other tensor it touches.
+
+    ``written`` and ``read`` map argument names to lists of tensors or to one
+    tensor (or None).
+
+    Sweeps the byte ranges in address order, keeping the furthest-reaching
+    range seen so far among all ranges and among written ones: a range that
+    starts before either end overlaps a range it must not.
+    """
+    spans = []
+    for is_written, lists in ((True, written), (False, read)):
+        for name, tensors in lists.items():
+            # A value is a list of tensors, or one tensor (or None) named as is.
+            labelled = (
+                [(name, tensors)] if not isinstance(tensors, list) else [(f"{name}[{i}]", t) for i, t in enumerate(tensors)]
+            )
+            for label, t in labelled:
+                if t is not None and t.numel() > 0:
+                    start = t.data_ptr()
+                    spans.append((start, start + t.numel() * t.element_size(), is_written, label))
+    spans.sort(key=lambda s: s[0])
+    furthest_any = furthest_written = None
+    for span in spans:
+        start, end, is_written, label = span
+        for other in (furthest_written, furthest_any if is_written else None):
+            if other is not None and start < other[1]:
+                raise ValueError(
+                    f"{op}: {label} shares memory with {other[3]}; a tensor the op writes must not "
+                    "overlap any other argument (pass separate tensors)"
+                )
+        if furthest_any is None or end > furthest_any[1]:
+            furthest_any = span
+        if is_written and (furthest_written is None or end > furthest_written[1]):
+            furthest_written = span

@@ -1,0 +1,63 @@
+"""Backend registry: which implementations exist, which run here, which to pick.
+
+A backend serves some device types and may be unavailable in this process
+(extension not built, no GPU). ``backend=None`` picks the first available one
+for the tensors' device in ``PREFERENCE``; a backend named by the caller is
+used as named or refused with the reason, never swapped for another.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from . import native, reference
+
+BACKENDS = {
+    "reference": reference,
+    "cpu": native.cpu,
+    "cuda": native.cuda,
+}
+
+# Fastest first, per device type; reference serves every device last.
+PREFERENCE = {
+    "cpu": ("cpu", "reference"),
+    "cuda": ("cuda", "reference"),
+}
+
+
+def available_backends() -> list[str]:
+    """Names of the backends usable in this process, e.g. ['reference', 'cpu']."""
+    return [name for name, b in BACKENDS.items() if b.unavailable_reason() is None]
+
+
+_warned_fallback: set[str] = set()
+
+
+def resolve(name: str | None, device: torch.device):
+    """The backend module to run on ``device``; raises if ``name`` cannot serve it."""
+    if name is not None:
+        if name not in BACKENDS:
+            raise ValueError(f"backend must be None or one of {sorted(BACKENDS)}; got {name!r}")
+        b = BACKENDS[name]
+        reason = b.unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(f"backend {name!r} is not available: {reason}")
+        if not b.supports(device):
+            raise ValueError(f"backend {name!r} does not run on {device.type} tensors")
+        return b
+    for candidate in PREFERENCE.get(device.type, ("reference",)):
+        b = BACKENDS[candidate]
+        if b.unavailable_reason() is None and b.supports(device):
+            if candidate == "reference" and device.type in PREFERENCE and device.type not in _warned_fallback:
+                _warned_fallback.add(device.type)
+                fast = PREFERENCE[device.type][0]
+                warnings.warn(
+                    f"accumkernels: running {device.type} tensors on the slow reference backend because "
+                    f"backend {fast!r} is not available: {BACKENDS[fast].unavailable_reason()}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            return b
+    raise RuntimeError(f"no accumkernels backend runs on {device.type} tensors")

@@ -1,0 +1,182 @@
+"""The reference backend: every op in pure PyTorch with fp32 math, on any device.
+
+It is the fallback where no native kernel exists and the oracle the native
+backends are tested against. Each function takes the arguments of the op's
+schema (csrc/ops.cpp), already validated by accumkernels.ops, and states the
+formula of csrc/include/accumkernels/formulas.h with tensor ops. Nothing here
+synchronizes with the host: found_inf and the scale tensors are used on the
+device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NAME = "reference"
+
+
+def supports(device: torch.device) -> bool:
+    return True
+
+
+def unavailable_reason() -> str | None:
+    return None
+
+
+def _math_dtype(device: torch.device) -> torch.dtype:
+    # Bias corrections are computed in double, as torch.optim computes them in
+    # Python; MPS has no float64.
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def _effective_scale(scale: float, scale_tensor: torch.Tensor | None, negate: bool = False):
+    """scale * scale_tensor (fp32, on the device) or the plain float."""
+    if negate:
+        scale = -scale
+    if scale_tensor is None:
+        return scale
+    return scale_tensor.reshape(()) * scale
+
+
+def _skip_flag(found_inf: torch.Tensor | None) -> torch.Tensor | None:
+    return None if found_inf is None else found_inf.reshape(()) != 0
+
+
+def _commit(dst: torch.Tensor, new: torch.Tensor, skip: torch.Tensor | None) -> None:
+    """dst = new, unless the window is skipped (then dst keeps its value)."""
+    dst.copy_(new if skip is None else torch.where(skip, dst, new.to(dst.dtype)))
+
+
+def accumulate_(buffers, grads, scale, scale_tensor, overwrite, found_inf):
+    """buffer = (0 if overwrite else buffer) + scale * float32(grad)."""
+    s = _effective_scale(scale, scale_tensor)
+    for buffer, grad in zip(buffers, grads):
+        g = grad.float()
+        if found_inf is not None and g.numel() > 0:
+            torch.maximum(found_inf, (~torch.isfinite(g)).any().float().reshape(found_inf.shape), out=found_inf)
+        if overwrite:
+            buffer.copy_(g.reshape(buffer.shape) * s)
+        else:
+            buffer.add_(g.reshape(buffer.shape) * s)
+
+
+def _weights(param, master):
+    return master if master is not None else param.float()
+
+
+def _store_weights(param, master, new, skip) -> None:
+    if master is not None:
+        _commit(master, new, skip)
+        _commit(param, master, None)
+    else:
+        _commit(param, new, skip)
+
+
+def _zero(buffers, zero_buffers: bool) -> None:
+    if zero_buffers:
+        for buffer in buffers:
+            buffer.zero_()
+
+
+def sgd_step_and_zero_(
+    params,
+    buffers,
+    momentum_buffers,
+    master_params,
+    lr,
+    momentum,
+    dampening,
+    weight_decay,
+    nesterov,
+    maximize,
+    is_first_step,
+    grad_scale,
+    grad_scale_tensor,
+    found_inf,
+    zero_buffers,
+):
+    """torch.optim.SGD's update with g = grad_scale * buffer (negated for maximize)."""
+    s = _effective_scale(grad_scale, grad_scale_tensor, negate=maximize)
+    skip = _skip_flag(found_inf)
+    for i, (param, buffer) in enumerate(zip(params, buffers)):
+        master = master_params[i] if master_params else None
+        p = _weights(param, master)
+        g = buffer.reshape(param.shape) * s
+        if weight_decay != 0:
+            g = g + weight_decay * p
+        if momentum != 0:
+            b = momentum_buffers[i]
+            new_b = g if is_first_step else momentum * b + (1.0 - dampening) * g
+            g = g + momentum * new_b if nesterov else new_b
+            _commit(b, new_b, skip)
+        _store_weights(param, master, p - lr * g, skip)
+    _zero(buffers, zero_buffers)
+
+
+def _adam(
+    adamw,
+    params,
+    buffers,
+    exp_avgs,
+    exp_avg_sqs,
+    max_exp_avg_sqs,
+    state_steps,
+    master_params,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    amsgrad,
+    maximize,
+    grad_scale,
+    grad_scale_tensor,
+    found_inf,
+    zero_buffers,
+):
+    s = _effective_scale(grad_scale, grad_scale_tensor, negate=maximize)
+    skip = _skip_flag(found_inf)
+    for i, (param, buffer) in enumerate(zip(params, buffers)):
+        master = master_params[i] if master_params else None
+        m, v, step = exp_avgs[i], exp_avg_sqs[i], state_steps[i]
+        p = _weights(param, master)
+        g = buffer.reshape(param.shape) * s
+        if weight_decay != 0:
+            if adamw:
+                p = p * (1.0 - lr * weight_decay)
+            else:
+                g = g + weight_decay * p
+        new_step = step + 1
+        t = new_step.to(_math_dtype(step.device))
+        step_size = (lr / (1.0 - beta1**t)).float()
+        bias_correction2_sqrt = torch.sqrt(1.0 - beta2**t).float()
+        new_m = m + (1.0 - beta1) * (g - m)
+        new_v = beta2 * v + (1.0 - beta2) * (g * g)
+        v_hat = new_v
+        if amsgrad:
+            v_hat = torch.maximum(max_exp_avg_sqs[i], new_v)
+            _commit(max_exp_avg_sqs[i], v_hat, skip)
+        denom = torch.sqrt(v_hat) / bias_correction2_sqrt + eps
+        new_p = p - step_size * (new_m / denom)
+        _commit(m, new_m, skip)
+        _commit(v, new_v, skip)
+        _commit(step, new_step, skip)
+        _store_weights(param, master, new_p, skip)
+    _zero(buffers, zero_buffers)
+
+
+def adam_step_and_zero_(*args):
+    """torch.optim.Adam's update with g = grad_scale * buffer (negated for maximize)."""
+    _adam(False, *args)
+
+
+def adamw_step_and_zero_(*args):
+    """torch.optim.AdamW's update with g = grad_scale * buffer (negated for maximize)."""
+    _adam(True, *args)
+
+
+def grad_norm(buffers):
+    """sqrt(sum of x^2 over all elements), summed in the math dtype, returned as fp32."""
+    dtype = _math_dtype(buffers[0].device)
+    norms = [torch.linalg.vector_norm(b.reshape(-1), dtype=dtype) for b in buffers]
+    return torch.linalg.vector_norm(torch.stack(norms)).float()

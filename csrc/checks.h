@@ -1,0 +1,113 @@
+// Argument checks shared by the CPU and CUDA entry points. They guard memory
+// safety for direct torch.ops.accumkernels.* calls and name the argument and
+// list index; the Python API (accumkernels/_validation.py) runs the full set of
+// checks, aliasing included, before it reaches these.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <initializer_list>
+#include <optional>
+
+#include "accumkernels/formulas.h"
+
+namespace accumkernels {
+
+inline Dtype storage_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kBFloat16:
+      return Dtype::kBFloat16;
+    case at::kHalf:
+      return Dtype::kFloat16;
+    default:
+      return Dtype::kFloat32;
+  }
+}
+
+inline void check_length(const char* op, at::TensorList list, const char* name, size_t expected,
+                         const char* reason) {
+  TORCH_CHECK_VALUE(list.size() == expected, op, ": ", name, " has ", list.size(),
+                    " tensors; expected ", expected, " (", reason, ")");
+}
+
+inline bool dtype_in(at::ScalarType t, std::initializer_list<at::ScalarType> allowed) {
+  for (auto a : allowed) {
+    if (a == t) return true;
+  }
+  return false;
+}
+
+// A dense strided tensor on `device` with one of `dtypes`.
+inline void check_tensor(const char* op, const at::Tensor& t, const char* name, size_t i,
+                         const at::Device& device, std::initializer_list<at::ScalarType> dtypes) {
+  TORCH_CHECK(t.defined(), op, ": ", name, "[", i, "] is undefined");
+  TORCH_CHECK_TYPE(t.layout() == at::kStrided, op, ": ", name, "[", i, "] has layout ",
+                   t.layout(), "; expected a strided (dense) tensor");
+  TORCH_CHECK(t.device() == device, op, ": ", name, "[", i, "] is on ", t.device(),
+              "; expected ", device);
+  TORCH_CHECK_TYPE(dtype_in(t.scalar_type(), dtypes), op, ": ", name, "[", i, "] has dtype ",
+                   t.scalar_type(), "; expected one of ", c10::ArrayRef<at::ScalarType>(dtypes));
+  TORCH_CHECK(t.is_non_overlapping_and_dense(), op, ": ", name, "[", i,
+              "] must be non-overlapping and dense (contiguous in some dimension order)");
+}
+
+// Like check_tensor, and element for element in the same memory order as
+// `ref`: both contiguous with the same numel, or the same sizes and strides.
+inline void check_like(const char* op, const at::Tensor& t, const char* name, size_t i,
+                       const at::Tensor& ref, const char* ref_name,
+                       std::initializer_list<at::ScalarType> dtypes) {
+  check_tensor(op, t, name, i, ref.device(), dtypes);
+  TORCH_CHECK_VALUE(t.numel() == ref.numel(), op, ": ", name, "[", i, "] has ", t.numel(),
+                    " elements; ", ref_name, "[", i, "] has ", ref.numel());
+  const bool both_contiguous = t.is_contiguous() && ref.is_contiguous();
+  TORCH_CHECK_VALUE(both_contiguous || (t.sizes() == ref.sizes() && t.strides() == ref.strides()),
+                    op, ": ", name, "[", i, "] (sizes ", t.sizes(), ", strides ", t.strides(),
+                    ") is not laid out like ", ref_name, "[", i, "] (sizes ", ref.sizes(),
+                    ", strides ", ref.strides(), ")");
+}
+
+// An optional 1-element fp32 tensor on `device`.
+inline void check_scalar_tensor(const char* op, const std::optional<at::Tensor>& t,
+                                const char* name, const at::Device& device) {
+  if (!t.has_value()) return;
+  TORCH_CHECK_TYPE(t->layout() == at::kStrided && t->scalar_type() == at::kFloat, op, ": ", name,
+                   " must be a strided float32 tensor; got ", t->scalar_type(), " ", t->layout());
+  TORCH_CHECK_VALUE(t->numel() == 1, op, ": ", name, " must have 1 element; got ", t->numel());
+  TORCH_CHECK(t->device() == device, op, ": ", name, " is on ", t->device(), "; expected ",
+              device);
+}
+
+// The tensors every step-and-zero op takes: params (any supported dtype,
+// the device of params[0]), fp32 buffers laid out like them and optional fp32
+// master weights, which only make sense for low-precision params.
+inline void check_step_tensors(const char* op, at::TensorList params, at::TensorList buffers,
+                               at::TensorList master_params) {
+  check_length(op, buffers, "buffers", params.size(), "one buffer per param");
+  if (!master_params.empty()) {
+    check_length(op, master_params, "master_params", params.size(),
+                 "one master weight per param, or none");
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    check_tensor(op, params[i], "params", i, params[0].device(),
+                 {at::kFloat, at::kBFloat16, at::kHalf});
+    check_like(op, buffers[i], "buffers", i, params[i], "params", {at::kFloat});
+    if (!master_params.empty()) {
+      TORCH_CHECK_TYPE(params[i].scalar_type() != at::kFloat, op, ": params[", i,
+                       "] is float32 but master_params were given; master weights are for "
+                       "bfloat16 or float16 params");
+      check_like(op, master_params[i], "master_params", i, params[i], "params", {at::kFloat});
+    }
+  }
+}
+
+// Optimizer state: one fp32 tensor per param, laid out like it.
+inline void check_state(const char* op, at::TensorList state, const char* name,
+                        at::TensorList params) {
+  check_length(op, state, name, params.size(), "one per param");
+  for (size_t i = 0; i < params.size(); ++i) {
+    check_like(op, state[i], name, i, params[i], "params", {at::kFloat});
+  }
+}
+
+}  // namespace accumkernels

@@ -1,0 +1,238 @@
+// The one definition of every accumkernels formula.
+//
+// Everything here is plain scalar C++ on fp32 values, usable from the CPU
+// kernels (csrc/cpu) and from CUDA device code (AK_HD expands to
+// __host__ __device__ under nvcc). Kernels only load, call these and store.
+// The pure-PyTorch reference (accumkernels/backends/reference.py) states the
+// same formulas with tensor ops and is the test oracle for both.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+// Every function here is force-inlined: the CPU kernels are compiled once per
+// ISA (csrc/cpu/kernels_*.cpp) and must inline these into each variant rather
+// than share one out-of-line copy built for whichever ISA the linker keeps.
+#if defined(__CUDACC__)
+#define AK_HD __host__ __device__ __forceinline__
+#else
+#define AK_HD inline __attribute__((always_inline))
+#endif
+
+namespace accumkernels {
+
+// Storage dtypes of gradients and parameters. Math is always fp32.
+enum class Dtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+AK_HD uint32_t float_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  return u;
+#endif
+}
+
+AK_HD float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float x;
+  std::memcpy(&x, &u, sizeof(x));
+  return x;
+#endif
+}
+
+// ---- conversions ---------------------------------------------------------
+// Written with integer and fp32 operations only (no branches, no lookup
+// tables) so that the compiler vectorizes them on every ISA.
+
+AK_HD float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
+
+// Round to nearest even; NaN stays a quiet NaN (rounding could turn a NaN
+// with only low mantissa bits into inf).
+AK_HD uint16_t float_to_bf16(float x) {
+  const uint32_t u = float_bits(x);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const bool is_nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+  return static_cast<uint16_t>(is_nan ? ((u >> 16) | 0x0040u) : rounded);
+}
+
+// IEEE half -> float, exact for normals, subnormals, inf and NaN.
+// Normals: shift exponent+mantissa into place and rescale by 2^-112 (the bias
+// difference). Subnormals: build 0.5 + m * 2^-24 via the mantissa and subtract.
+AK_HD float fp16_to_float(uint16_t h) {
+  const uint32_t w = static_cast<uint32_t>(h) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;
+  const float normalized = bits_float((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  const float denormalized = bits_float((two_w >> 17) | (126u << 23)) - 0.5f;
+  const uint32_t subnormal_mask = 0u - static_cast<uint32_t>(two_w < (1u << 27));  // as in float_to_fp16
+  const uint32_t magnitude =
+      (subnormal_mask & float_bits(denormalized)) | (~subnormal_mask & float_bits(normalized));
+  return bits_float(sign | magnitude);
+}
+
+// float -> IEEE half, round to nearest even, overflow to inf, NaN to NaN.
+// Scaling by 2^112 then 2^-110 makes fp32 arithmetic do the rounding at the
+// half's precision (including into the subnormal range).
+AK_HD uint16_t float_to_fp16(float x) {
+  const uint32_t w = float_bits(x);
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  float base = (bits_float(w & 0x7FFFFFFFu) * 0x1.0p+112f) * 0x1.0p-110f;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  bias = bias < 0x71000000u ? 0x71000000u : bias;
+  base = bits_float((bias >> 1) + 0x07800000u) + base;
+  const uint32_t bits = float_bits(base);
+  const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+  // Masks, not ?:, in both conversions: GCC may turn such a select into a
+  // branch and then refuses to vectorize the loop.
+  const uint32_t nan_mask = 0u - static_cast<uint32_t>(shl1_w > 0xFF000000u);
+  return static_cast<uint16_t>((sign >> 16) | (nan_mask & 0x7E00u) | (~nan_mask & nonsign));
+}
+
+template <Dtype D>
+struct Storage;
+template <>
+struct Storage<Dtype::kFloat32> {
+  using type = float;
+  static AK_HD float load(float x) { return x; }
+  static AK_HD float store(float x) { return x; }
+};
+template <>
+struct Storage<Dtype::kBFloat16> {
+  using type = uint16_t;
+  static AK_HD float load(uint16_t x) { return bf16_to_float(x); }
+  static AK_HD uint16_t store(float x) { return float_to_bf16(x); }
+};
+template <>
+struct Storage<Dtype::kFloat16> {
+  using type = uint16_t;
+  static AK_HD float load(uint16_t x) { return fp16_to_float(x); }
+  static AK_HD uint16_t store(float x) { return float_to_fp16(x); }
+};
+
+// True for inf and NaN.
+AK_HD bool is_nonfinite(float x) { return (float_bits(x) & 0x7F800000u) == 0x7F800000u; }
+
+// ---- accumulate_ ---------------------------------------------------------
+//   buffer = (0 if overwrite else buffer) + scale * float32(grad)
+template <bool kOverwrite>
+AK_HD float accumulate(float buffer, float grad, float scale) {
+  return kOverwrite ? scale * grad : buffer + scale * grad;
+}
+
+// ---- SGD (torch.optim.SGD) -----------------------------------------------
+// g = grad_scale * buffer (grad_scale carries the sign for maximize)
+// g += weight_decay * p                            (if weight_decay != 0)
+// momentum: b = g on the first step, else b = momentum * b + (1 - dampening) * g
+//           g = g + momentum * b if nesterov else b
+// p -= lr * g
+struct SgdHyper {
+  float lr;
+  float momentum;
+  float one_minus_dampening;  // 1 - dampening, rounded once from double as torch does
+  float weight_decay;
+};
+
+AK_HD SgdHyper make_sgd_hyper(double lr, double momentum, double dampening, double weight_decay) {
+  return {static_cast<float>(lr), static_cast<float>(momentum), static_cast<float>(1.0 - dampening),
+          static_cast<float>(weight_decay)};
+}
+
+enum class Momentum : int { kNone = 0, kFirstStep = 1, kRunning = 2 };
+
+template <Momentum kMomentum, bool kNesterov, bool kWeightDecay>
+AK_HD float sgd_update(float p, float g, float& momentum_buffer, const SgdHyper& h) {
+  if (kWeightDecay) g = g + h.weight_decay * p;
+  if (kMomentum != Momentum::kNone) {
+    const float b = kMomentum == Momentum::kFirstStep
+                        ? g
+                        : h.momentum * momentum_buffer + h.one_minus_dampening * g;
+    momentum_buffer = b;
+    g = kNesterov ? g + h.momentum * b : b;
+  }
+  return p - h.lr * g;
+}
+
+// ---- Adam / AdamW (torch.optim.Adam, torch.optim.AdamW) -----------------
+// g = grad_scale * buffer (grad_scale carries the sign for maximize)
+// Adam:  g += weight_decay * p            AdamW: p *= 1 - lr * weight_decay
+// m = m + (1 - beta1) * (g - m)
+// v = beta2 * v + (1 - beta2) * g * g
+// amsgrad: v_max = max(v_max, v), v_hat = v_max, else v_hat = v
+// p -= step_size * m / (sqrt(v_hat) / bias_correction2_sqrt + eps)
+// with step_size = lr / (1 - beta1^t) and bias_correction2_sqrt = sqrt(1 - beta2^t)
+// for the step count t after this step. Those two per-tensor values are
+// computed once per tensor by adam_bias_corrections().
+struct AdamHyper {
+  double lr;  // double: only used on the host-side path into step_size
+  double beta1;
+  double beta2;
+  float eps;
+  float weight_decay;
+  // Derived in double and rounded once, as torch.optim computes them in Python.
+  float one_minus_beta1;
+  float one_minus_beta2;
+  float beta2_f;
+  float adamw_decay;  // 1 - lr * weight_decay
+};
+
+AK_HD AdamHyper make_adam_hyper(double lr, double beta1, double beta2, double eps,
+                                double weight_decay) {
+  return {lr,
+          beta1,
+          beta2,
+          static_cast<float>(eps),
+          static_cast<float>(weight_decay),
+          static_cast<float>(1.0 - beta1),
+          static_cast<float>(1.0 - beta2),
+          static_cast<float>(beta2),
+          static_cast<float>(1.0 - lr * weight_decay)};
+}
+
+struct AdamStepScalars {
+  float step_size;
+  float bias_correction2_sqrt;
+};
+
+AK_HD AdamStepScalars adam_bias_corrections(const AdamHyper& h, double step) {
+#if defined(__CUDA_ARCH__)
+  const double bc1 = 1.0 - ::pow(h.beta1, step);
+  const double bc2 = 1.0 - ::pow(h.beta2, step);
+  return {static_cast<float>(h.lr / bc1), static_cast<float>(::sqrt(bc2))};
+#else
+  const double bc1 = 1.0 - __builtin_pow(h.beta1, step);
+  const double bc2 = 1.0 - __builtin_pow(h.beta2, step);
+  return {static_cast<float>(h.lr / bc1), static_cast<float>(__builtin_sqrt(bc2))};
+#endif
+}
+
+template <bool kAdamW, bool kAmsgrad, bool kWeightDecay>
+AK_HD float adam_update(float p, float g, float& m, float& v, float& v_max, const AdamHyper& h,
+                        const AdamStepScalars& s) {
+  if (kWeightDecay) {
+    if (kAdamW) {
+      p = p * h.adamw_decay;
+    } else {
+      g = g + h.weight_decay * p;
+    }
+  }
+  m = m + h.one_minus_beta1 * (g - m);
+  v = h.beta2_f * v + h.one_minus_beta2 * (g * g);
+  float v_hat = v;
+  if (kAmsgrad) {
+    v_max = v_max > v ? v_max : v;
+    v_hat = v_max;
+  }
+#if defined(__CUDA_ARCH__)
+  const float denom = sqrtf(v_hat) / s.bias_correction2_sqrt + h.eps;
+#else
+  const float denom = __builtin_sqrtf(v_hat) / s.bias_correction2_sqrt + h.eps;
+#endif
+  return p - s.step_size * (m / denom);
+}
+
+}  // namespace accumkernels

@@ -1,0 +1,243 @@
+"""sgd/adam/adamw step-and-zero: against float64 formulas, against torch.optim
+over several steps (params and every state tensor), the found_inf skip, and
+master weights for low-precision params."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import accumkernels as ak
+from helpers import DTYPE_IDS, adam64, assert_fp32_close, assert_rounded_close, randn, sgd64
+
+PARAM_CASES = [
+    (torch.float32, False),
+    (torch.bfloat16, False),
+    (torch.bfloat16, True),
+    (torch.float16, False),
+    (torch.float16, True),
+]
+PARAM_IDS = [f"{DTYPE_IDS[d]}{'-master' if m else ''}" for d, m in PARAM_CASES]
+SIZES = [0, 1, 31, 65537, 70001]
+
+
+def _f32(x: float) -> float:
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+def _make_params(dtype, with_master, sizes):
+    weights = [randn(n, torch.float32, offset=i % 2) for i, n in enumerate(sizes)]
+    params = [w.to(dtype) for w in weights]
+    masters = [p.float() + randn(p.numel(), torch.float32) * 1e-3 for p in params] if with_master else None
+    return params, masters
+
+
+def _weights64(params, masters, i):
+    return (masters[i] if masters else params[i]).double()
+
+
+def _check_weights(params, masters, i, expected64, magnitude64):
+    if masters:
+        assert_fp32_close(masters[i], expected64, magnitude64, ulps=16)
+        assert torch.equal(params[i], masters[i].to(params[i].dtype)), "param must be the rounded master"
+    elif params[i].dtype == torch.float32:
+        assert_fp32_close(params[i], expected64, magnitude64, ulps=16)
+    else:
+        assert_rounded_close(params[i], expected64, magnitude64)
+
+
+SGD_CASES = [
+    dict(momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, first=False, maximize=False),
+    dict(momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False, first=True, maximize=False),
+    dict(momentum=0.9, dampening=0.1, weight_decay=0.01, nesterov=False, first=False, maximize=True),
+    dict(momentum=0.8, dampening=0.0, weight_decay=0.05, nesterov=True, first=False, maximize=False),
+    dict(momentum=0.8, dampening=0.0, weight_decay=0.0, nesterov=True, first=True, maximize=False),
+]
+
+
+def _sgd_id(c):
+    return "-".join(k + (str(v) if not isinstance(v, bool) else "") for k, v in c.items() if v)
+
+
+@pytest.mark.parametrize("case", SGD_CASES, ids=[_sgd_id(c) or "plain" for c in SGD_CASES])
+@pytest.mark.parametrize("dtype,with_master", PARAM_CASES, ids=PARAM_IDS)
+def test_sgd_matches_float64(backend, dtype, with_master, case):
+    params, masters = _make_params(dtype, with_master, SIZES)
+    buffers = [randn(p.numel(), torch.float32, offset=1) for p in params]
+    moms = [randn(p.numel(), torch.float32) for p in params] if case["momentum"] else None
+    moms_before = [m.double() for m in moms] if moms else None
+    grad_scale, lr = 0.37, 0.05
+    expected = []
+    for i in range(len(params)):
+        g = buffers[i].double() * _f32(grad_scale) * (-1 if case["maximize"] else 1)
+        p64 = _weights64(params, masters, i)
+        b64 = moms[i].double() if moms else None
+        hyper = {k: case[k] for k in ("momentum", "dampening", "weight_decay", "nesterov")}
+        new_p, new_b = sgd64(p64, g, b64, lr=lr, first=case["first"], **hyper)
+        g_decayed = g.abs() + case["weight_decay"] * p64.abs()
+        expected.append((new_p, new_b, p64.abs() + (lr * 4 * g).abs() + (new_p - p64).abs() * 4, g_decayed))
+    ak.sgd_step_and_zero_(
+        params, buffers, moms, lr=lr, momentum=case["momentum"], dampening=case["dampening"],
+        weight_decay=case["weight_decay"], nesterov=case["nesterov"], maximize=case["maximize"],
+        is_first_step=case["first"], grad_scale=grad_scale, master_params=masters, backend=backend,
+    )  # fmt: skip
+    for i, (new_p, new_b, mag, gmag) in enumerate(expected):
+        _check_weights(params, masters, i, new_p, mag)
+        if moms:
+            old_b = moms_before[i].abs() * case["momentum"]
+            assert_fp32_close(moms[i], new_b, new_b.abs() + gmag + old_b, ulps=8)
+        assert not buffers[i].any(), "buffers must be zeroed"
+
+
+ADAM_CASES = list(itertools.product([False, True], [False, True], [0.0, 0.1], [False, True]))
+
+
+@pytest.mark.parametrize(
+    "adamw,amsgrad,weight_decay,maximize",
+    ADAM_CASES,
+    ids=[f"{'adamw' if a else 'adam'}{'-amsgrad' if s else ''}{'-wd' if w else ''}{'-max' if m else ''}" for a, s, w, m in ADAM_CASES],
+)
+@pytest.mark.parametrize("dtype,with_master", PARAM_CASES, ids=PARAM_IDS)
+def test_adam_matches_float64(backend, dtype, with_master, adamw, amsgrad, weight_decay, maximize):
+    params, masters = _make_params(dtype, with_master, SIZES)
+    buffers = [randn(p.numel(), torch.float32, offset=1) for p in params]
+    exp_avgs = [randn(p.numel(), torch.float32) * 0.1 for p in params]
+    exp_avg_sqs = [randn(p.numel(), torch.float32).abs() * 0.01 for p in params]
+    max_sqs = [randn(p.numel(), torch.float32).abs() * 0.01 for p in params] if amsgrad else None
+    steps = [torch.tensor(float(s)) for s in torch.randint(0, 50, (len(params),)).tolist()]
+    lr, betas, eps, grad_scale = 1e-2, (0.9, 0.999), 1e-8, torch.tensor([0.5])
+    expected = []
+    for i in range(len(params)):
+        g = buffers[i].double() * 0.5 * (-1 if maximize else 1)
+        p64 = _weights64(params, masters, i)
+        out = adam64(
+            p64, g, exp_avgs[i].double(), exp_avg_sqs[i].double(), max_sqs[i].double() if max_sqs else None,
+            steps[i].item() + 1, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay,
+            amsgrad=amsgrad, adamw=adamw,
+        )  # fmt: skip
+        # Sizes of the rounded terms: g (with the decay term for Adam), m's
+        # terms, and m's rounding error carried through the update.
+        gmag = g.abs() if adamw else g.abs() + weight_decay * p64.abs()
+        mmag = exp_avgs[i].double().abs() + gmag
+        expected.append((out, gmag, mmag, p64))
+    old_steps = [s.item() for s in steps]
+    fn = ak.adamw_step_and_zero_ if adamw else ak.adam_step_and_zero_
+    fn(
+        params, buffers, exp_avgs, exp_avg_sqs, steps, max_exp_avg_sqs=max_sqs, lr=lr, betas=betas, eps=eps,
+        weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale,
+        master_params=masters, backend=backend,
+    )  # fmt: skip
+    for i, ((p, m, v, vmax, rate), gmag, mmag, p64) in enumerate(expected):
+        _check_weights(params, masters, i, p, p64.abs() + 4 * (p - p64).abs() + rate * mmag)
+        assert_fp32_close(exp_avgs[i], m, mmag)
+        assert_fp32_close(exp_avg_sqs[i], v, v.abs() + gmag * gmag)
+        if amsgrad:
+            assert_fp32_close(max_sqs[i], vmax, vmax.abs() + gmag * gmag)
+        assert steps[i].item() == old_steps[i] + 1
+        assert not buffers[i].any(), "buffers must be zeroed"
+
+
+def _torch_optimizer(kind, params, **hyper):
+    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[kind]
+    return cls(params, foreach=False, **hyper)
+
+
+TORCH_CASES = [
+    ("sgd", dict(lr=0.1)),
+    ("sgd", dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=1e-2)),
+    ("sgd", dict(lr=0.1, momentum=0.9, nesterov=True, maximize=True)),
+    ("adam", dict(lr=1e-2)),
+    ("adam", dict(lr=1e-2, weight_decay=0.1, amsgrad=True, maximize=True)),
+    ("adamw", dict(lr=1e-2)),
+    ("adamw", dict(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.3, amsgrad=True)),
+]
+
+
+def _ours(kind, params, buffers, state, step_index, hyper, backend):
+    h = dict(hyper)
+    if kind == "sgd":
+        momentum = h.get("momentum", 0.0)
+        ak.sgd_step_and_zero_(
+            params, buffers, state["momentum_buffer"] if momentum else None, lr=h["lr"], momentum=momentum,
+            dampening=h.get("dampening", 0.0), weight_decay=h.get("weight_decay", 0.0),
+            nesterov=h.get("nesterov", False), maximize=h.get("maximize", False), is_first_step=step_index == 0,
+            backend=backend,
+        )  # fmt: skip
+    else:
+        fn = ak.adam_step_and_zero_ if kind == "adam" else ak.adamw_step_and_zero_
+        fn(
+            params, buffers, state["exp_avg"], state["exp_avg_sq"], state["step"],
+            max_exp_avg_sqs=state["max_exp_avg_sq"] if h.get("amsgrad") else None, lr=h["lr"],
+            betas=h.get("betas", (0.9, 0.999)), weight_decay=h.get("weight_decay", 0.0 if kind == "adam" else 1e-2),
+            amsgrad=h.get("amsgrad", False), maximize=h.get("maximize", False), backend=backend,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("kind,hyper", TORCH_CASES, ids=[f"{k}-{'-'.join(map(str, h))}" for k, h in TORCH_CASES])
+def test_parity_with_torch_optim(backend, kind, hyper):
+    sizes = [1, 33, 65537, 4099]
+    theirs = [torch.randn(n) for n in sizes]
+    ours = [p.clone() for p in theirs]
+    opt = _torch_optimizer(kind, [torch.nn.Parameter(p) for p in theirs], **hyper)
+    params = opt.param_groups[0]["params"]
+    state = {
+        "momentum_buffer": [torch.zeros(n) for n in sizes],
+        "exp_avg": [torch.zeros(n) for n in sizes],
+        "exp_avg_sq": [torch.zeros(n) for n in sizes],
+        "max_exp_avg_sq": [torch.zeros(n) for n in sizes],
+        "step": [torch.tensor(0.0) for _ in sizes],
+    }
+    for step_index in range(5):
+        grads = [torch.randn(n) for n in sizes]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        buffers = [g.clone() for g in grads]
+        _ours(kind, ours, buffers, state, step_index, hyper, backend)
+        for i, p in enumerate(params):
+            torch.testing.assert_close(ours[i], p.detach(), rtol=2e-6, atol=2e-6)
+            for key, value in opt.state[p].items():
+                if value is None:
+                    continue
+                torch.testing.assert_close(state[key][i], value, rtol=2e-6, atol=2e-6, msg=f"state {key}")
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
+def test_found_inf_skips_and_still_zeroes(backend, kind):
+    params = [torch.randn(n).bfloat16() for n in (5, 70001)]
+    masters = [p.float() for p in params]
+    buffers = [torch.randn(p.numel()) for p in params]
+    state = [torch.randn(p.numel()).abs() for p in params]
+    state2 = [torch.randn(p.numel()).abs() for p in params]
+    steps = [torch.tensor(3.0) for _ in params]
+    before = [t.clone() for t in params + masters + state + state2 + steps]
+    found_inf = torch.ones(1)
+    if kind == "sgd":
+        ak.sgd_step_and_zero_(params, buffers, state, lr=0.1, momentum=0.9, weight_decay=0.1,
+                              found_inf=found_inf, master_params=masters, backend=backend)  # fmt: skip
+    else:
+        fn = ak.adam_step_and_zero_ if kind == "adam" else ak.adamw_step_and_zero_
+        fn(params, buffers, state, state2, steps, lr=0.1, weight_decay=0.1, found_inf=found_inf,
+           master_params=masters, backend=backend)  # fmt: skip
+    for b, a in zip(before, params + masters + state + state2 + steps):
+        assert torch.equal(a, b), "a skipped step must leave params, masters, state and steps untouched"
+    assert all(not b.any() for b in buffers), "a skipped step still clears the buffers"
+
+
+def test_zero_buffers_false_keeps_buffers(backend):
+    params = [torch.randn(100)]
+    buffers = [torch.randn(100)]
+    kept = buffers[0].clone()
+    ak.sgd_step_and_zero_(params, buffers, lr=0.1, zero_buffers=False, backend=backend)
+    assert torch.equal(buffers[0], kept)
+
+
+def test_bf16_param_rounds_to_nearest_even(backend):
+    # The update lands exactly between two bf16 values: ties go to the even one.
+    p = torch.tensor([1.0, 1.0], dtype=torch.bfloat16)
+    half_ulp = 2.0**-8
+    buffers = [torch.tensor([half_ulp, 3 * half_ulp])]
+    ak.sgd_step_and_zero_([p], buffers, lr=1.0, maximize=True, backend=backend)
+    assert p.tolist() == [1.0, 1.0 + 4 * half_ulp]
