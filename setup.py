@@ -51,7 +51,10 @@ def _extensions():
     import torch
     from torch.utils import cpp_extension
 
-    cxx_flags = ["-O3", "-std=c++20", "-fopenmp-simd", "-fno-math-errno", "-fvisibility=hidden"]
+    # -fopenmp: at::parallel_for is inline and runs serially unless the
+    # extension itself is compiled with OpenMP (torch's own build uses it).
+    cxx_flags = ["-O3", "-std=c++20", "-fopenmp", "-fno-math-errno", "-fvisibility=hidden"]
+    link_flags = ["-fopenmp"]
     sources = _cpu_sources()
     cuda_sources = sorted(str(p.relative_to(ROOT)) for p in (CSRC / "cuda").glob("*.cu"))
     with_cuda = bool(torch.version.cuda) and bool(cuda_sources) and _cuda_home() is not None
@@ -62,6 +65,7 @@ def _extensions():
             sources + cuda_sources,
             include_dirs=[str(CSRC / "include")],
             define_macros=[("ACCUMKERNELS_WITH_CUDA", "1")],
+            extra_link_args=link_flags,
             extra_compile_args={
                 "cxx": cxx_flags,
                 "nvcc": ["-O3", "-std=c++20", "-lineinfo"],
@@ -73,6 +77,7 @@ def _extensions():
             sources,
             include_dirs=[str(CSRC / "include")],
             extra_compile_args={"cxx": cxx_flags},
+            extra_link_args=link_flags,
         )
     build_ext = cpp_extension.BuildExtension.with_options(use_ninja=True)
     return [extension], {"build_ext": build_ext}

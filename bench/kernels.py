@@ -1,0 +1,224 @@
+"""Kernel benchmark: accumulate_ and the step-and-zero ops against the paths
+users write today, with GB/s by a bytes model and the fraction of a ceiling
+measured in the same run.
+
+Bytes model (per element, what the pass must move at least):
+  add fp32 grad into fp32 buffer      12 = read buffer 4 + read grad 4 + write buffer 4
+  add bf16/fp16 grad into fp32 buffer 10 = 4 + 2 + 4
+  overwrite from a bf16 grad           6 = read grad 2 + write buffer 4
+  AdamW/Adam step, fp32 params        32 = read p, g, m, v (16) + write p, m, v, g=0 (16)
+  SGD step, fp32 params, no momentum  16 = read p, g (8) + write p, g=0 (8)
+The torch baselines are charged the same model (their extra passes show up as
+lower GB/s). The ceiling is torch's own fp32 ``buf.add_(grad)`` (12 B/element)
+on the same device, timed in the same run.
+
+Every path is checked for correctness before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import accumkernels as ak
+
+from . import common
+
+
+def transformer_shapes(d: int = 512, layers: int = 16, vocab: int = 8192, ctx: int = 1024) -> list[tuple[int, ...]]:
+    """The 200 parameter shapes of a GPT-style model: embeddings, 16 blocks of
+    12 tensors (LayerNorms, attention, MLP, with biases), final LayerNorm."""
+    shapes = [(vocab, d), (ctx, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
+    shapes += [(d,), (d,), (vocab, d), (vocab,), (d, d), (d,)]
+    return shapes
+
+
+def _gbs(bytes_per_element: float, numel: int, seconds: float) -> float:
+    return bytes_per_element * numel / seconds / 1e9
+
+
+def _check_accumulate(device, backend, n):
+    b = torch.randn(n, device=device)
+    g = torch.randn(n, device=device).bfloat16()
+    want = b.double() + 0.5 * g.double()
+    ak.accumulate_([b], [g], 0.5, backend=backend)
+    err = ((b.double() - want).abs() / (want.abs() + 1)).max().item()
+    if err > 1e-6:
+        raise AssertionError(f"accumulate_ [{backend}] is wrong before timing: relative error {err}")
+
+
+def _check_adamw(device, backend, n):
+    p = torch.randn(n, device=device)
+    g = torch.randn(n, device=device)
+    ref = torch.nn.Parameter(p.clone())
+    ref.grad = g.clone()
+    torch.optim.AdamW([ref], lr=1e-3, foreach=False).step()
+    m, v, s = torch.zeros_like(p), torch.zeros_like(p), torch.zeros((), device=device)
+    ak.adamw_step_and_zero_([p], [g], [m], [v], [s], lr=1e-3, backend=backend)
+    torch.testing.assert_close(p, ref.detach(), rtol=2e-6, atol=2e-6)
+    if g.any():
+        raise AssertionError(f"adamw_step_and_zero_ [{backend}] did not clear the buffer")
+
+
+def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
+    # The reference backend is the oracle, not a performance path: not timed.
+    backends = [b for b in ak.available_backends() if b != "reference" and ak.backends.BACKENDS[b].supports(device)]
+    rows = []
+
+    def timed(key, group, name, bpe, n, fn, reps=reps):
+        seconds = common.median_seconds(fn, device, reps=reps)
+        rows.append({"key": key, "group": group, "name": name, "bytes_per_element": bpe, "numel": n,
+                     "median_ms": seconds * 1e3, "gbps": _gbs(bpe, n, seconds)})  # fmt: skip
+        print(f"  {group:10s} {name:58s} {seconds * 1e3:9.3f} ms {rows[-1]['gbps']:7.1f} GB/s", flush=True)
+
+    # ---- one big tensor ---------------------------------------------------
+    buf = torch.randn(numel, device=device)
+    g32 = torch.randn(numel, device=device)
+    g16 = {"bf16": g32.bfloat16(), "fp16": g32.half()}
+    timed("ceiling", "ceiling", "torch fp32 buf.add_(fp32 grad)", 12, numel, lambda: buf.add_(g32))
+    for name, g in g16.items():
+        timed(f"torch_add_{name}", "accumulate", f"torch buf.add_({name} grad) (mixed dtype)", 10, numel,
+              lambda g=g: buf.add_(g))  # fmt: skip
+    for backend in backends:
+        _check_accumulate(device, backend, 100003)
+        for name, g in g16.items():
+            timed(f"accumulate_{name}[{backend}]", "accumulate", f"accumulate_ {name} -> fp32 [{backend}]", 10, numel,
+                  lambda g=g: ak.accumulate_([buf], [g], 0.5, backend=backend))  # fmt: skip
+        timed(f"accumulate_fp32[{backend}]", "accumulate", f"accumulate_ fp32 -> fp32 [{backend}]", 12, numel,
+              lambda: ak.accumulate_([buf], [g32], 0.5, backend=backend))  # fmt: skip
+        timed(f"accumulate_overwrite[{backend}]", "accumulate", f"accumulate_ bf16 overwrite [{backend}]", 6, numel,
+              lambda: ak.accumulate_([buf], [g16["bf16"]], 0.5, overwrite=True, backend=backend))  # fmt: skip
+    del buf, g32, g16
+
+    # ---- a model's parameter list ------------------------------------------
+    # d=512: every tensor <= 4M elements; d=2048: the MLP and attention weights
+    # hold 12-17M elements each. torch's mixed-dtype add_ behaves very
+    # differently on the two (see the README), so both are shown.
+    list_cases = [("list512", dict(d=512))] if quick else [("list512", dict(d=512)), ("list2048", dict(d=2048))]
+    list_numel = {}
+    for key, dims in list_cases:
+        shapes = transformer_shapes(**dims)
+        if quick:
+            shapes = [(max(1, s[0] // 8), *s[1:]) for s in shapes]
+        bufs = [torch.randn(s, device=device) for s in shapes]
+        grads = [torch.randn(s, device=device).bfloat16() for s in shapes]
+        n = list_numel[key] = sum(b.numel() for b in bufs)
+        expect = [b.double() + g.double() for b, g in zip(bufs, grads)]
+        ak.accumulate_(bufs, grads)
+        if any(((b.double() - e).abs() > 1e-6 * (e.abs() + 1)).any() for b, e in zip(bufs, expect)):
+            raise AssertionError("accumulate_ on the parameter list is wrong before timing")
+        del expect
+
+        def python_loop(bufs=bufs, grads=grads):
+            for b, g in zip(bufs, grads):
+                b.add_(g)
+
+        tag = f"{len(shapes)} tensors, GPT d={dims['d']}, {n / 1e6:.0f}M elements"
+        list_reps = reps if n < 2e8 else min(reps, 5)
+        timed(f"{key}_loop", "list", f"Python loop of buf.add_(bf16 grad), {tag}", 10, n, python_loop, list_reps)
+        timed(f"{key}_foreach", "list", f"torch._foreach_add_(bufs, bf16 grads), {tag}", 10, n,
+              lambda bufs=bufs, grads=grads: torch._foreach_add_(bufs, grads), list_reps)  # fmt: skip
+        for backend in backends:
+            timed(f"{key}[{backend}]", "list", f"accumulate_ one call, {tag} [{backend}]", 10, n,
+                  lambda bufs=bufs, grads=grads: ak.accumulate_(bufs, grads, backend=backend), list_reps)  # fmt: skip
+        del bufs, grads
+
+    # ---- optimizer step and zero -------------------------------------------
+    params = [torch.nn.Parameter(torch.randn(numel, device=device) * 0.1)]
+    params[0].grad = torch.randn(numel, device=device) * 1e-3
+    for impl, flags in (("fused", dict(fused=True)), ("foreach", dict(foreach=True)), ("for-loop", dict(foreach=False))):
+        opt = torch.optim.AdamW(params, lr=1e-3, **flags)
+
+        def torch_step(opt=opt):
+            opt.step()
+            opt.zero_grad(set_to_none=False)  # grad.zero_(): the buffer must exist for the next window
+
+        timed(f"adamw_torch_{impl}", "adamw", f"torch AdamW({impl}).step() + grad.zero_()", 32, numel, torch_step)
+        del opt
+    p, g = params[0].detach(), params[0].grad
+    m, v, step = torch.zeros_like(p), torch.zeros_like(p), torch.zeros((), device=device)
+    for backend in backends:
+        _check_adamw(device, backend, 100003)
+        timed(f"adamw[{backend}]", "adamw", f"adamw_step_and_zero_ [{backend}]", 32, numel,
+              lambda: ak.adamw_step_and_zero_([p], [g], [m], [v], [step], lr=1e-3, backend=backend))  # fmt: skip
+    sgd = torch.optim.SGD(params, lr=1e-3, foreach=True)
+
+    def torch_sgd():
+        sgd.step()
+        sgd.zero_grad(set_to_none=False)
+
+    timed("sgd_torch_foreach", "sgd", "torch SGD(foreach).step() + grad.zero_()", 16, numel, torch_sgd)
+    for backend in backends:
+        timed(f"sgd[{backend}]", "sgd", f"sgd_step_and_zero_ [{backend}]", 16, numel,
+              lambda: ak.sgd_step_and_zero_([p], [g], lr=1e-3, backend=backend))  # fmt: skip
+
+    ceiling_gbps = rows[0]["gbps"]
+    for r in rows:
+        r["fraction_of_ceiling"] = r["gbps"] / ceiling_gbps
+    return {"rows": rows, "ceiling_gbps": ceiling_gbps, "numel": numel, "list_numel": list_numel}
+
+
+# (figure, numerator key, denominator key, compare, target): "gbps" divides
+# GB/s (key over key), "time" divides median times (slow key over fast key).
+HEADLINE = [
+    ("accumulate_ bf16 GB/s / ceiling GB/s", "accumulate_bf16[{b}]", "ceiling", "gbps", 0.9),
+    ("accumulate_ bf16 speedup vs torch mixed add_", "torch_add_bf16", "accumulate_bf16[{b}]", "time", 4.5),
+    ("GPT d=512 list: one call vs Python loop", "list512_loop", "list512[{b}]", "time", 4.0),
+    ("GPT d=2048 list: one call vs Python loop", "list2048_loop", "list2048[{b}]", "time", 4.0),
+    ("adamw_step_and_zero_ vs torch fused + zero_", "adamw_torch_fused", "adamw[{b}]", "time", 1.1),
+    ("adamw_step_and_zero_ vs torch foreach + zero_", "adamw_torch_foreach", "adamw[{b}]", "time", 3.0),
+]
+
+
+def headline(result: dict, backend: str) -> list[dict]:
+    """The figures the issues set targets for, as ratios of medians."""
+    by_key = {r["key"]: r for r in result["rows"]}
+    out = []
+    for label, a, b, compare, target in HEADLINE:
+        ra, rb = by_key.get(a.format(b=backend)), by_key.get(b.format(b=backend))
+        if ra is None or rb is None:
+            continue
+        value = ra["gbps"] / rb["gbps"] if compare == "gbps" else ra["median_ms"] / rb["median_ms"]
+        out.append({"figure": label, "value": value, "target": target, "met": value >= target})
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present, else cpu)")
+    parser.add_argument("--numel", type=int, default=32 * 2**20, help="elements of the single-tensor cases (default 32M)")
+    parser.add_argument("--reps", type=int, default=15, help="timed repetitions per case (median reported)")
+    parser.add_argument("--quick", action="store_true", help="4M elements, one smaller model list, 5 reps")
+    parser.add_argument("--out", default=None, help="results file name under bench/results/ (no .json)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    numel, reps = (4 * 2**20, 5) if args.quick else (args.numel, args.reps)
+
+    record = common.machine_record(device)
+    print(f"accumkernels kernel benchmark on {device} ({record['cpu'] if device.type == 'cpu' else record.get('gpu')}), "
+          f"{numel} elements, median of {reps}, commit {record['commit']}", flush=True)  # fmt: skip
+    result = run(device, numel, reps, args.quick)
+    native = "cuda" if device.type == "cuda" else "cpu"
+    backend = native if native in ak.available_backends() else None
+    heads = headline(result, backend) if backend else []
+    payload = {"machine": record, "quick": args.quick, **result, "headline": heads}
+    name = args.out or f"kernels-{device.type}{'-quick' if args.quick else ''}"
+    path = common.write_results(name, payload)
+
+    print()
+    print(common.table(result["rows"], [("group", "group", "s"), ("name", "path", "s"), ("median_ms", "median ms", ".3f"),
+                                        ("bytes_per_element", "B/elem", ".0f"), ("gbps", "GB/s", ".1f"),
+                                        ("fraction_of_ceiling", "of ceiling", ".2f")]))  # fmt: skip
+    print(f"\nceiling (torch fp32 add_, same run): {result['ceiling_gbps']:.1f} GB/s")
+    print()
+    print(common.table(heads, [("figure", f"headline [{backend}]", "s"), ("value", "value", ".2f"),
+                               ("target", "target", ".2f"), ("met", "met", "")]))  # fmt: skip
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,157 @@
+"""The native build: torch.library.opcheck on every op, every CPU ISA variant
+this machine runs, what a missing extension does, and > 2^31 elements."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import accumkernels as ak
+from accumkernels import _native
+
+OPS = ["accumulate_", "sgd_step_and_zero_", "adam_step_and_zero_", "adamw_step_and_zero_", "grad_norm"]
+
+
+def _opcheck_cases():
+    def lists(dtype=torch.float32):
+        return [torch.randn(37, dtype=dtype), torch.randn(5, 3, dtype=dtype)]
+
+    scale = torch.tensor([0.5])
+    found = torch.zeros(1)
+    steps = [torch.tensor(2.0), torch.tensor(0.0)]
+    yield "accumulate_", (lists(), lists(torch.bfloat16), 2.0, None, False, found)
+    yield "accumulate_", (lists(), lists(torch.float16), 1.0, scale, True, None)
+    yield "sgd_step_and_zero_", (lists(torch.bfloat16), lists(), lists(), lists(), 0.1, 0.9, 0.0, 0.01, True,
+                                 False, False, 1.0, scale, found, True)  # fmt: skip
+    for op in ("adam_step_and_zero_", "adamw_step_and_zero_"):
+        yield op, (lists(), lists(), lists(), [t.abs() for t in lists()], [t.abs() for t in lists()], steps, [],
+                   1e-3, 0.9, 0.999, 1e-8, 0.01, True, False, 1.0, scale, found, True)  # fmt: skip
+    yield "grad_norm", (lists(),)
+
+
+@pytest.mark.parametrize("op,args", list(_opcheck_cases()), ids=lambda x: x if isinstance(x, str) else "")
+def test_opcheck(native_only, op, args):
+    torch.library.opcheck(getattr(torch.ops.accumkernels, op).default, args)
+
+
+def test_every_op_has_a_cpu_kernel(native_only):
+    for op in OPS:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"accumkernels::{op}", "CPU"), op
+
+
+def _supported_isas() -> list[str]:
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    isas = ["default"]
+    if all(f in flags for f in (" avx2", " fma", " f16c")):
+        isas.append("avx2")
+    if all(f in flags for f in (" avx512f", " avx512bw", " avx512vl", " avx512dq")):
+        isas.append("avx512")
+    return isas
+
+
+ISA_CHECK = textwrap.dedent(
+    """
+    import torch, accumkernels as ak
+    from accumkernels import _native
+    assert _native.cpu_isa() == "{isa}", _native.cpu_isa()
+    torch.manual_seed({seed})
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for n in (0, 1, 7, 65537, 200003):
+            b, g = torch.randn(n), (torch.randn(n) * 5).to(dtype)
+            want = b.double() + 0.75 * g.double()
+            ak.accumulate_([b], [g], 0.75, backend="cpu")
+            assert ((b.double() - want).abs() <= 4 * 2**-23 * (b.double().abs() + 1)).all(), (dtype, n)
+            for maker in (ak.adam_step_and_zero_, ak.adamw_step_and_zero_):
+                ps, bs = [torch.randn(n).to(dtype)], [torch.randn(n)]
+                qs = [p.clone() for p in ps]
+                state = lambda: [[torch.zeros(n)], [torch.zeros(n)], [torch.tensor(0.0)]]
+                s1, s2 = state(), state()
+                maker(ps, [x.clone() for x in bs], *s1, lr=0.1, weight_decay=0.1, backend="cpu")
+                maker(qs, [x.clone() for x in bs], *s2, lr=0.1, weight_decay=0.1, backend="reference")
+                tol = 0 if dtype == torch.float32 else 1
+                assert ((ps[0].float() - qs[0].float()).abs() <= 1e-6 + tol * 2**-7 * qs[0].float().abs()).all()
+            p, buf, mom = [torch.randn(n).to(dtype)], [torch.randn(n)], [torch.randn(n)]
+            q = [p[0].clone()]
+            ak.sgd_step_and_zero_(p, [buf[0].clone()], [mom[0].clone()], lr=0.1, momentum=0.9, backend="cpu")
+            ak.sgd_step_and_zero_(q, [buf[0].clone()], [mom[0].clone()], lr=0.1, momentum=0.9, backend="reference")
+            assert ((p[0].float() - q[0].float()).abs() <= 1e-6 + 2**-7 * q[0].float().abs()).all()
+    xs = [torch.randn(300001)]
+    assert abs(ak.grad_norm(xs, backend="cpu").item() - xs[0].double().norm().item()) < 1e-3
+    print("ok")
+    """
+)
+
+
+@pytest.mark.parametrize("isa", _supported_isas())
+def test_every_cpu_isa_variant(native_only, isa):
+    env = {**os.environ, "ACCUMKERNELS_CPU_ISA": isa}
+    code = ISA_CHECK.format(isa=isa, seed=int(torch.randint(0, 2**31, ())))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_forcing_an_unknown_isa_fails_the_import_clearly(native_only):
+    env = {**os.environ, "ACCUMKERNELS_CPU_ISA": "sse9"}
+    code = "import accumkernels._native as n; print(n.LOAD_ERROR)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert "ACCUMKERNELS_CPU_ISA" in out.stdout
+
+
+MISSING_EXTENSION = textwrap.dedent(
+    """
+    import sys, warnings
+    sys.modules["accumkernels._C"] = None  # as if it was never built
+    import torch, accumkernels as ak
+    assert ak.available_backends() == ["reference"], ak.available_backends()
+    try:
+        ak.accumulate_([torch.zeros(3)], [torch.ones(3)], backend="cpu")
+    except RuntimeError as e:
+        assert "pip install --no-build-isolation" in str(e), e
+    else:
+        raise AssertionError("backend='cpu' must raise without the extension")
+    b = torch.zeros(3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ak.accumulate_([b], [torch.ones(3)])
+    assert b.tolist() == [1.0, 1.0, 1.0]
+    assert any("reference" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    print("ok")
+    """
+)
+
+
+def test_missing_extension_imports_and_says_how_to_build():
+    out = subprocess.run([sys.executable, "-c", MISSING_EXTENSION], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_more_than_2_31_elements(native_only):
+    """64-bit indexing: accumulate_, grad_norm and an SGD step on 2^31 + 4099 elements."""
+    n = 2**31 + 4099
+    try:
+        buffer = torch.zeros(n)
+        grad = torch.ones(n, dtype=torch.bfloat16)
+    except RuntimeError as e:
+        pytest.skip(f"not enough memory for {n} elements: {e}")
+    tail = torch.arange(1, 65, dtype=torch.float32)
+    grad[-64:] = tail.bfloat16()
+    grad[2**31 - 3 : 2**31 + 1] = 3.0
+    ak.accumulate_([buffer], [grad], 0.5, backend="cpu")
+    ak.accumulate_([buffer], [grad], 0.25, backend="cpu")
+    assert buffer[:4].tolist() == [0.75] * 4
+    assert buffer[2**31 - 3 : 2**31 + 1].tolist() == [2.25] * 4
+    assert torch.equal(buffer[-64:], tail * 0.75)
+    expected = ((n - 64 - 4) * 0.75**2 + 4 * 2.25**2 + float((tail * 0.75).double().pow(2).sum())) ** 0.5
+    assert abs(ak.grad_norm([buffer], backend="cpu").item() - expected) <= 1e-6 * expected
+    del grad
+    params = [torch.zeros(n, dtype=torch.bfloat16)]
+    ak.sgd_step_and_zero_(params, [buffer], lr=2.0, backend="cpu")
+    assert params[0][-1].item() == -2.0 * 48.0
+    assert params[0][2**31].item() == -4.5
+    assert buffer[-1].item() == 0.0 and buffer[2**31].item() == 0.0
