@@ -53,16 +53,17 @@ def is_dense(t: torch.Tensor) -> bool:
 
 
 def check_tensor(op: str, t: torch.Tensor, name: str, i: int, device: torch.device, dtypes) -> None:
-    where = f"{op}: {name}[{i}]"
+    # The common case (dense, right device and dtype) costs a few attribute
+    # reads; messages are only built on failure.
     if t.layout != torch.strided:
-        raise TypeError(f"{where} has layout {t.layout}; expected a strided (dense) tensor, not a sparse one")
+        raise TypeError(f"{op}: {name}[{i}] has layout {t.layout}; expected a strided (dense) tensor, not a sparse one")
     if t.device != device:
-        raise RuntimeError(f"{where} is on {t.device}; expected {device} (the device of the first tensor)")
+        raise RuntimeError(f"{op}: {name}[{i}] is on {t.device}; expected {device} (the device of the first tensor)")
     if t.dtype not in dtypes:
-        raise TypeError(f"{where} has dtype {t.dtype}; expected one of {_names(dtypes)}")
+        raise TypeError(f"{op}: {name}[{i}] has dtype {t.dtype}; expected one of {_names(dtypes)}")
     if not is_dense(t):
         raise ValueError(
-            f"{where} (sizes {tuple(t.shape)}, strides {t.stride()}) is not dense; "
+            f"{op}: {name}[{i}] (sizes {tuple(t.shape)}, strides {t.stride()}) is not dense; "
             "expected a tensor whose elements fill its memory (contiguous in some dimension order)"
         )
 
@@ -123,34 +124,40 @@ def check_disjoint(op: str, written: dict, read: dict) -> None:
     """No tensor the op writes shares memory with any other tensor it touches.
 
     ``written`` and ``read`` map argument names to lists of tensors or to one
-    tensor (or None).
-
-    Sweeps the byte ranges in address order, keeping the furthest-reaching
-    range seen so far among all ranges and among written ones: a range that
-    starts before either end overlaps a range it must not.
+    tensor (or None). Sweeps the byte ranges in address order, keeping the
+    furthest-reaching range seen so far among all ranges and among written
+    ones: a range that starts before either end overlaps a range it must not.
     """
     spans = []
     for is_written, lists in ((True, written), (False, read)):
         for name, tensors in lists.items():
-            # A value is a list of tensors, or one tensor (or None) named as is.
-            labelled = (
-                [(name, tensors)] if not isinstance(tensors, list) else [(f"{name}[{i}]", t) for i, t in enumerate(tensors)]
-            )
-            for label, t in labelled:
-                if t is not None and t.numel() > 0:
+            if tensors is None:
+                continue
+            if isinstance(tensors, torch.Tensor):
+                tensors = [tensors]
+                name = name + "#"  # a single tensor: labelled without an index
+            for i, t in enumerate(tensors):
+                n = t.numel()
+                if n:
                     start = t.data_ptr()
-                    spans.append((start, start + t.numel() * t.element_size(), is_written, label))
-    spans.sort(key=lambda s: s[0])
-    furthest_any = furthest_written = None
+                    spans.append((start, start + n * t.element_size(), is_written, name, i))
+    spans.sort()
+    any_end = written_end = 0
+    any_span = written_span = None
     for span in spans:
-        start, end, is_written, label = span
-        for other in (furthest_written, furthest_any if is_written else None):
-            if other is not None and start < other[1]:
-                raise ValueError(
-                    f"{op}: {label} shares memory with {other[3]}; a tensor the op writes must not "
-                    "overlap any other argument (pass separate tensors)"
-                )
-        if furthest_any is None or end > furthest_any[1]:
-            furthest_any = span
-        if is_written and (furthest_written is None or end > furthest_written[1]):
-            furthest_written = span
+        start, end, is_written = span[0], span[1], span[2]
+        other = written_span if start < written_end else (any_span if is_written and start < any_end else None)
+        if other is not None:
+            raise ValueError(
+                f"{op}: {_label(span)} shares memory with {_label(other)}; a tensor the op writes must not "
+                "overlap any other argument (pass separate tensors)"
+            )
+        if end > any_end:
+            any_end, any_span = end, span
+        if is_written and end > written_end:
+            written_end, written_span = end, span
+
+
+def _label(span) -> str:
+    name, i = span[3], span[4]
+    return name[:-1] if name.endswith("#") else f"{name}[{i}]"

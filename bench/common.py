@@ -82,9 +82,10 @@ def machine_record(device: torch.device) -> dict:
     return record
 
 
-def write_results(name: str, payload: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+def write_results(name: str, payload: dict, directory: str | Path | None = None) -> Path:
+    folder = Path(directory) if directory else RESULTS
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
 
