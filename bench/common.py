@@ -22,19 +22,22 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_seconds(fn, device: torch.device, *, reps: int, warmup: int = 2, min_seconds: float = 0.0) -> float:
-    """Median wall time of ``fn()`` over ``reps`` runs (at least ``min_seconds`` in all)."""
-    for _ in range(warmup):
-        fn()
+def interleaved_medians(fns: list, device: torch.device, *, reps: int, warmup: int = 2) -> list[float]:
+    """Median wall time of each function, timed in interleaved rounds (one run
+    of each per round), so that drift in the machine's speed over the run hits
+    every function alike."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
     synchronize(device)
-    times = []
-    start_all = time.perf_counter()
-    while len(times) < reps or time.perf_counter() - start_all < min_seconds:
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    times = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, out in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            synchronize(device)
+            out.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
 
 
 def cpu_model() -> str:

@@ -63,51 +63,54 @@ def _check_adamw(device, backend, n):
         raise AssertionError(f"adamw_step_and_zero_ [{backend}] did not clear the buffer")
 
 
+class Group:
+    """The cases of one group, timed together in interleaved rounds with a
+    ceiling case (torch's fp32 add_) of its own."""
+
+    def __init__(self, name: str, device: torch.device, numel: int) -> None:
+        self.name, self.device, self.cases = name, device, []
+        a, b = torch.randn(numel, device=device), torch.randn(numel, device=device)
+        self.add("ceiling" if name == "accumulate" else f"ceiling_{name}", "torch fp32 buf.add_(fp32 grad) (ceiling)",
+                 12, numel, lambda: a.add_(b))  # fmt: skip
+
+    def add(self, key, label, bytes_per_element, numel, fn) -> None:
+        self.cases.append((key, label, bytes_per_element, numel, fn))
+
+    def time(self, reps: int, rows: list) -> None:
+        seconds = common.interleaved_medians([c[4] for c in self.cases], self.device, reps=reps)
+        ceiling = _gbs(12, self.cases[0][3], seconds[0])
+        for (key, label, bpe, n, _), s in zip(self.cases, seconds):
+            gbps = _gbs(bpe, n, s)
+            rows.append({"key": key, "group": self.name, "name": label, "bytes_per_element": bpe, "numel": n,
+                         "median_ms": s * 1e3, "gbps": gbps, "ceiling_gbps": ceiling,
+                         "fraction_of_ceiling": gbps / ceiling})  # fmt: skip
+            print(f"  {self.name:10s} {label:66s} {s * 1e3:9.3f} ms {gbps:7.1f} GB/s", flush=True)
+        self.cases.clear()
+
+
 def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
     # The reference backend is the oracle, not a performance path: not timed.
     backends = [b for b in ak.available_backends() if b != "reference" and ak.backends.BACKENDS[b].supports(device)]
     rows = []
 
-    ceiling = {"gbps": None}
-
-    def timed(key, group, name, bpe, n, fn, reps=reps):
-        seconds = common.median_seconds(fn, device, reps=reps)
-        gbps = _gbs(bpe, n, seconds)
-        if group == "ceiling":
-            ceiling["gbps"] = gbps
-        rows.append({"key": key, "group": group, "name": name, "bytes_per_element": bpe, "numel": n,
-                     "median_ms": seconds * 1e3, "gbps": gbps, "ceiling_gbps": ceiling["gbps"],
-                     "fraction_of_ceiling": gbps / ceiling["gbps"]})  # fmt: skip
-        print(f"  {group:10s} {name:58s} {seconds * 1e3:9.3f} ms {gbps:7.1f} GB/s", flush=True)
-
-    # The ceiling is re-measured before each group: on a shared machine the
-    # bandwidth drifts over a run, and each row is compared with the nearest.
-    ceiling_a = torch.randn(numel, device=device)
-    ceiling_b = torch.randn(numel, device=device)
-
-    def measure_ceiling(group):
-        key = "ceiling" if not rows else f"ceiling_{group}"
-        timed(key, "ceiling", f"torch fp32 buf.add_(fp32 grad), before {group}", 12, numel,
-              lambda: ceiling_a.add_(ceiling_b))  # fmt: skip
-
     # ---- one big tensor ---------------------------------------------------
-    measure_ceiling("accumulate")
+    group = Group("accumulate", device, numel)
     buf = torch.randn(numel, device=device)
     g32 = torch.randn(numel, device=device)
     g16 = {"bf16": g32.bfloat16(), "fp16": g32.half()}
     for name, g in g16.items():
-        timed(f"torch_add_{name}", "accumulate", f"torch buf.add_({name} grad) (mixed dtype)", 10, numel,
-              lambda g=g: buf.add_(g))  # fmt: skip
+        group.add(f"torch_add_{name}", f"torch buf.add_({name} grad) (mixed dtype)", 10, numel, lambda g=g: buf.add_(g))
     for backend in backends:
         _check_accumulate(device, backend, 100003)
         for name, g in g16.items():
-            timed(f"accumulate_{name}[{backend}]", "accumulate", f"accumulate_ {name} -> fp32 [{backend}]", 10, numel,
-                  lambda g=g: ak.accumulate_([buf], [g], 0.5, backend=backend))  # fmt: skip
-        timed(f"accumulate_fp32[{backend}]", "accumulate", f"accumulate_ fp32 -> fp32 [{backend}]", 12, numel,
-              lambda: ak.accumulate_([buf], [g32], 0.5, backend=backend))  # fmt: skip
-        timed(f"accumulate_overwrite[{backend}]", "accumulate", f"accumulate_ bf16 overwrite [{backend}]", 6, numel,
-              lambda: ak.accumulate_([buf], [g16["bf16"]], 0.5, overwrite=True, backend=backend))  # fmt: skip
-    del buf, g32, g16
+            group.add(f"accumulate_{name}[{backend}]", f"accumulate_ {name} -> fp32 [{backend}]", 10, numel,
+                      lambda g=g, backend=backend: ak.accumulate_([buf], [g], 0.5, backend=backend))  # fmt: skip
+        group.add(f"accumulate_fp32[{backend}]", f"accumulate_ fp32 -> fp32 [{backend}]", 12, numel,
+                  lambda backend=backend: ak.accumulate_([buf], [g32], 0.5, backend=backend))  # fmt: skip
+        group.add(f"accumulate_overwrite[{backend}]", f"accumulate_ bf16 overwrite [{backend}]", 6, numel,
+                  lambda backend=backend: ak.accumulate_([buf], [g16["bf16"]], 0.5, overwrite=True, backend=backend))  # fmt: skip
+    group.time(reps, rows)
+    del buf, g32, g16, group
 
     # ---- a model's parameter list ------------------------------------------
     # d=512: every tensor <= 4M elements; d=2048: the MLP and attention weights
@@ -116,7 +119,6 @@ def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
     list_cases = [("list512", dict(d=512))] if quick else [("list512", dict(d=512)), ("list2048", dict(d=2048))]
     list_numel = {}
     for key, dims in list_cases:
-        measure_ceiling(key)
         shapes = transformer_shapes(**dims)
         if quick:
             shapes = [(max(1, s[0] // 8), *s[1:]) for s in shapes]
@@ -134,17 +136,18 @@ def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
                 b.add_(g)
 
         tag = f"{len(shapes)} tensors, GPT d={dims['d']}, {n / 1e6:.0f}M elements"
-        list_reps = reps if n < 2e8 else min(reps, 5)
-        timed(f"{key}_loop", "list", f"Python loop of buf.add_(bf16 grad), {tag}", 10, n, python_loop, list_reps)
-        timed(f"{key}_foreach", "list", f"torch._foreach_add_(bufs, bf16 grads), {tag}", 10, n,
-              lambda bufs=bufs, grads=grads: torch._foreach_add_(bufs, grads), list_reps)  # fmt: skip
+        group = Group(key, device, numel)
+        group.add(f"{key}_loop", f"Python loop of buf.add_(bf16 grad), {tag}", 10, n, python_loop)
+        group.add(f"{key}_foreach", f"torch._foreach_add_(bufs, bf16 grads), {tag}", 10, n,
+                  lambda bufs=bufs, grads=grads: torch._foreach_add_(bufs, grads))  # fmt: skip
         for backend in backends:
-            timed(f"{key}[{backend}]", "list", f"accumulate_ one call, {tag} [{backend}]", 10, n,
-                  lambda bufs=bufs, grads=grads: ak.accumulate_(bufs, grads, backend=backend), list_reps)  # fmt: skip
-        del bufs, grads
+            group.add(f"{key}[{backend}]", f"accumulate_ one call, {tag} [{backend}]", 10, n,
+                      lambda bufs=bufs, grads=grads, backend=backend: ak.accumulate_(bufs, grads, backend=backend))  # fmt: skip
+        group.time(reps if n < 2e8 else min(reps, 5), rows)
+        del bufs, grads, group
 
     # ---- optimizer step and zero -------------------------------------------
-    measure_ceiling("adamw")
+    group = Group("adamw", device, numel)
     params = [torch.nn.Parameter(torch.randn(numel, device=device) * 0.1)]
     params[0].grad = torch.randn(numel, device=device) * 1e-3
     for impl, flags in (("fused", dict(fused=True)), ("foreach", dict(foreach=True)), ("for-loop", dict(foreach=False))):
@@ -154,33 +157,38 @@ def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
             opt.step()
             opt.zero_grad(set_to_none=False)  # grad.zero_(): the buffer must exist for the next window
 
-        timed(f"adamw_torch_{impl}", "adamw", f"torch AdamW({impl}).step() + grad.zero_()", 32, numel, torch_step)
-        del opt
+        group.add(f"adamw_torch_{impl}", f"torch AdamW({impl}).step() + grad.zero_()", 32, numel, torch_step)
     p, g = params[0].detach(), params[0].grad
     m, v, step = torch.zeros_like(p), torch.zeros_like(p), torch.zeros((), device=device)
     for backend in backends:
         _check_adamw(device, backend, 100003)
-        timed(f"adamw[{backend}]", "adamw", f"adamw_step_and_zero_ [{backend}]", 32, numel,
-              lambda: ak.adamw_step_and_zero_([p], [g], [m], [v], [step], lr=1e-3, backend=backend))  # fmt: skip
+        group.add(f"adamw[{backend}]", f"adamw_step_and_zero_ [{backend}]", 32, numel,
+                  lambda backend=backend: ak.adamw_step_and_zero_([p], [g], [m], [v], [step], lr=1e-3, backend=backend))  # fmt: skip
+        group.add(f"adamw_nozero[{backend}]", f"adamw_step_and_zero_ zero_buffers=False [{backend}] (28 B)", 28, numel,
+                  lambda backend=backend: ak.adamw_step_and_zero_([p], [g], [m], [v], [step], lr=1e-3, zero_buffers=False,
+                                                                  backend=backend))  # fmt: skip
+    group.time(reps, rows)
+    del group
+
+    group = Group("sgd", device, numel)
     sgd = torch.optim.SGD(params, lr=1e-3, foreach=True)
 
     def torch_sgd():
         sgd.step()
         sgd.zero_grad(set_to_none=False)
 
-    measure_ceiling("sgd")
-    timed("sgd_torch_foreach", "sgd", "torch SGD(foreach).step() + grad.zero_()", 16, numel, torch_sgd)
+    group.add("sgd_torch_foreach", "torch SGD(foreach).step() + grad.zero_()", 16, numel, torch_sgd)
     for backend in backends:
-        timed(f"sgd[{backend}]", "sgd", f"sgd_step_and_zero_ [{backend}]", 16, numel,
-              lambda: ak.sgd_step_and_zero_([p], [g], lr=1e-3, backend=backend))  # fmt: skip
-
+        group.add(f"sgd[{backend}]", f"sgd_step_and_zero_ [{backend}]", 16, numel,
+                  lambda backend=backend: ak.sgd_step_and_zero_([p], [g], lr=1e-3, backend=backend))  # fmt: skip
+    group.time(reps, rows)
     return {"rows": rows, "numel": numel, "list_numel": list_numel}
 
 
 # (figure, numerator key, denominator key, compare, target): "gbps" divides
 # GB/s (key over key), "time" divides median times (slow key over fast key).
 HEADLINE = [
-    ("accumulate_ bf16 GB/s / ceiling GB/s (same group)", "accumulate_bf16[{b}]", "ceiling", "gbps", 0.9),
+    ("accumulate_ bf16 GB/s / ceiling GB/s", "accumulate_bf16[{b}]", "ceiling", "gbps", 0.9),
     ("accumulate_ bf16 speedup vs torch mixed add_", "torch_add_bf16", "accumulate_bf16[{b}]", "time", 4.5),
     ("GPT d=512 list: one call vs Python loop", "list512_loop", "list512[{b}]", "time", 4.0),
     ("GPT d=2048 list: one call vs Python loop", "list2048_loop", "list2048[{b}]", "time", 4.0),
@@ -229,7 +237,7 @@ def main(argv=None) -> int:
     print(common.table(result["rows"], [("group", "group", "s"), ("name", "path", "s"), ("median_ms", "median ms", ".3f"),
                                         ("bytes_per_element", "B/elem", ".0f"), ("gbps", "GB/s", ".1f"),
                                         ("fraction_of_ceiling", "of ceiling", ".2f")]))  # fmt: skip
-    print("\nceiling: torch's fp32 buf.add_(grad) at 12 B/element, re-measured before each group of this run")
+    print("\nceiling: torch's fp32 buf.add_(grad) at 12 B/element, timed in each group, interleaved with its cases")
     print()
     print(common.table(heads, [("figure", f"headline [{backend}]", "s"), ("value", "value", ".2f"),
                                ("target", "target", ".2f"), ("met", "met", "")]))  # fmt: skip
