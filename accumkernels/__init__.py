@@ -10,6 +10,7 @@ what this process can run.
 
 from . import _native
 from .backends import available_backends
+from .optim import AccumulatingOptimizer
 from .ops import (
     accumulate_,
     adam_step_and_zero_,
@@ -24,6 +25,7 @@ if _native.is_loaded():
     _fake.register()
 
 __all__ = [
+    "AccumulatingOptimizer",
     "accumulate_",
     "adam_step_and_zero_",
     "adamw_step_and_zero_",

@@ -193,6 +193,7 @@ HEADLINE = [
     ("GPT d=512 list: one call vs Python loop", "list512_loop", "list512[{b}]", "time", 4.0),
     ("GPT d=2048 list: one call vs Python loop", "list2048_loop", "list2048[{b}]", "time", 4.0),
     ("adamw_step_and_zero_ vs torch fused + zero_", "adamw_torch_fused", "adamw[{b}]", "time", 1.1),
+    ("adamw step, zero_buffers=False vs torch fused + zero_", "adamw_torch_fused", "adamw_nozero[{b}]", "time", 1.1),
     ("adamw_step_and_zero_ vs torch foreach + zero_", "adamw_torch_foreach", "adamw[{b}]", "time", 3.0),
 ]
 

@@ -1,0 +1,595 @@
+"""AccumulatingOptimizer: gradient accumulation into fp32 buffers, one fused step per window.
+
+The wrapper owns one flat fp32 buffer per device (one aligned view per param,
+grouped into buckets of contiguous views). During backward a
+``register_post_accumulate_grad_hook`` folds each gradient into its buffer with
+``accumulate_`` (one call per bucket, loss-scale folded in, first contribution
+of a window overwrites) and frees ``.grad``. ``step()`` counts micro-steps; on
+the window's last one it runs the wrapped optimizer's update with the fused
+step-and-zero op, with normalization, loss-scale skip and clipping folded into
+``grad_scale`` and ``found_inf`` on the device: no host sync inside a window.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from . import ops
+
+_NORMALIZE = ("mean", "sum", "items")
+_ALIGN_ELEMENTS = 16  # 64-byte alignment of every param's view in the flat buffer
+
+
+class _Bucket:
+    """Params whose buffer views are contiguous in the flat buffer: one
+    accumulate_ call folds them all once their gradients have arrived."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params
+        self.pending: dict[int, torch.Tensor] = {}  # id(param) -> param, gradient waiting
+
+
+class AccumulatingOptimizer(torch.optim.Optimizer):
+    """Wraps a ``torch.optim`` optimizer to accumulate gradients exactly and step once per window.
+
+    The first gradient of a window overwrites a param's buffer, so the step
+    never needs to clear the buffers (it runs with ``zero_buffers=False``,
+    saving 4 bytes per element), and a param that received no gradient in a
+    window is skipped as ``torch.optim`` skips ``grad is None``.
+
+    ::
+
+        opt = AccumulatingOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-4),
+                                    accum_steps=8, max_grad_norm=1.0)
+        for x, y in loader:
+            loss_fn(model(x), y).backward()   # no division by accum_steps
+            opt.step()                        # steps the weights once every 8 calls
+            opt.zero_grad()                   # harmless
+
+    For SGD, Adam and AdamW the update is the fused step-and-zero kernel with
+    the hyperparameters read from ``param_groups`` at every window (LR
+    schedulers and per-group settings work); any other optimizer receives the
+    accumulated gradient as ``.grad`` and steps itself.
+
+    The window's gradient of a param is ``grad_scale * sum(micro-batch gradients)`` with::
+
+        grad_scale = c / D           c = min(1, max_norm / (norm + 1e-6)) if clipping, else 1
+        D = window length (normalize="mean"), 1 ("sum"), or the window's total
+            of step(num_items=...) ("items")
+
+    Args:
+        optimizer: the optimizer to wrap, with all its param groups already added.
+        accum_steps: micro-steps per window; ``None``: every ``step()`` call ends a
+            window (for frameworks that count the window and scale the loss themselves).
+        normalize: ``"mean"``, ``"sum"`` or ``"items"`` (see above).
+        max_grad_norm: clip the window's gradient to this global L2 norm.
+        master_weights: keep fp32 master weights for bf16/fp16 params (the params
+            become their rounded copies).
+        grad_scaler: the ``torch.amp.GradScaler`` scaling the loss, if any: each
+            micro-batch is unscaled as it is accumulated, and a window with an inf
+            or NaN is skipped whole (params and state untouched, buffers cleared),
+            and the scaler backs off.
+        bucket_cap_mb: size of the buckets the gradients are folded in.
+        backend: the accumkernels backend to use (default: fastest available).
+    """
+
+    _step_supports_amp_scaling = True  # GradScaler: we unscale and skip ourselves
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        accum_steps: int | None = None,
+        *,
+        normalize: str = "mean",
+        max_grad_norm: float | None = None,
+        master_weights: bool = False,
+        grad_scaler: torch.amp.GradScaler | None = None,
+        bucket_cap_mb: float = 25.0,
+        backend: str | None = None,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
+        if isinstance(optimizer, AccumulatingOptimizer):
+            raise TypeError("optimizer is already an AccumulatingOptimizer")
+        if accum_steps is not None and (isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1):
+            raise ValueError(f"accum_steps must be None or an int >= 1; got {accum_steps!r}")
+        if normalize not in _NORMALIZE:
+            raise ValueError(f"normalize must be one of {_NORMALIZE}; got {normalize!r}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0; got {max_grad_norm!r}")
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be > 0; got {bucket_cap_mb!r}")
+
+        # torch.optim.Optimizer's machinery (hooks, step patching), sharing the
+        # wrapped optimizer's param_groups and state rather than copying them.
+        self.optimizer = optimizer
+        self.defaults = optimizer.defaults
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._patch_step_function()
+
+        self.accum_steps = accum_steps
+        self.normalize = normalize
+        self.max_grad_norm = max_grad_norm
+        self.grad_scaler = grad_scaler
+        self.backend = backend
+        self._kind = self._optimizer_kind(optimizer)
+        if master_weights and self._kind == "fallback":
+            raise ValueError(f"master_weights needs SGD, Adam or AdamW (the fused step); got {type(optimizer).__name__}")
+
+        self._params = self._collect_params()
+        devices = {p.device for p in self._params}
+        if len(devices) > 1:
+            raise ValueError(f"params on several devices ({sorted(map(str, devices))}) are not supported yet")
+        self.device = next(iter(devices)) if devices else torch.device("cpu")
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        self._buffers, self._flat, self._buckets, self._bucket_of = self._make_buffers(bucket_cap_mb)
+        self._masters = {
+            id(p): p.detach().float().clone()
+            for p in self._params
+            if master_weights and p.dtype in (torch.bfloat16, torch.float16)
+        }
+
+        # Window state, all on the host except the device flags and item count.
+        self._touched: set[int] = set()  # params with a gradient in this window
+        self._micro_steps = 0  # completed step() calls in this window
+        self._grads_since_step = False  # a gradient arrived since the last step() call
+        self._items: float | torch.Tensor = 0.0
+        self._window_found_inf = torch.zeros(1, device=self.device)
+        self._step_found_inf = torch.zeros(1, device=self.device)
+        self._micro_inv_scale: torch.Tensor | None = None
+        self._clip_coef: torch.Tensor | None = None
+        self.last_grad_norm: torch.Tensor | None = None
+        self.window_stepped = False  # True right after the step() call that ended a window
+
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params if p.requires_grad]
+
+    # ---- torch.optim.Optimizer interface -----------------------------------
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value):
+        self.optimizer.state = value
+
+    def __repr__(self) -> str:
+        return (
+            f"AccumulatingOptimizer({self.optimizer!r}, accum_steps={self.accum_steps}, "
+            f"normalize={self.normalize!r}, max_grad_norm={self.max_grad_norm})"
+        )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise RuntimeError(
+            "AccumulatingOptimizer owns buffers for the params it was built with: add every param group "
+            "to the optimizer before wrapping it"
+        )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Harmless: gradients are folded into the buffers as they arrive. Folds
+        any gradient still waiting for its bucket, then drops ``.grad``."""
+        self._flush()
+        for p in self._params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self, closure=None, *, num_items: float | torch.Tensor | None = None):
+        """End a micro-step; on the window's last one, update the params.
+
+        Args:
+            closure: as in ``torch.optim`` (re-evaluates the model, returns the loss).
+            num_items: with ``normalize="items"``, the number of items (e.g.
+                target tokens) this micro-batch's sum-reduced loss covers; a
+                Python number or a 1-element tensor on the params' device.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_params_unchanged()
+        self._count_items(num_items)
+        self._flush()
+        self._micro_steps += 1
+        self._grads_since_step = False
+        self._micro_inv_scale = None
+        if self.grad_scaler is not None:
+            torch.maximum(self._window_found_inf, self._step_found_inf, out=self._window_found_inf)
+            self._report_to_scaler(self._step_found_inf)
+            self._step_found_inf = torch.zeros(1, device=self.device)
+        self.window_stepped = self.accum_steps is None or self._micro_steps >= self.accum_steps
+        if self.window_stepped:
+            self._end_window()
+        return loss
+
+    # ---- public helpers ----------------------------------------------------
+
+    @property
+    def micro_steps(self) -> int:
+        """step() calls completed in the current window."""
+        return self._micro_steps
+
+    def accumulated_grad(self, param: torch.Tensor) -> torch.Tensor:
+        """A new fp32 tensor: the gradient the step would apply to ``param`` if
+        the window ended now, normalization applied, before clipping (a
+        micro-step in progress counts in ``"mean"`` mode; ``"items"`` divides by
+        the items counted so far). Zeros for a param with no gradient yet."""
+        i = self._index.get(id(param))
+        if i is None:
+            raise ValueError("param is not one of the wrapped optimizer's params")
+        self._flush()
+        if id(param) not in self._touched:
+            return torch.zeros_like(param, dtype=torch.float32)
+        return self._buffers[i] * self._normalization(pending=True)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the window's gradient to ``max_norm`` at the next window step and
+        return its global L2 norm (normalization applied, a 0-dim fp32 tensor on
+        the device, no host sync). ``torch.nn.utils.clip_grad_norm_`` on the
+        model's params cannot do this: their ``.grad`` is freed into the buffers."""
+        if not max_norm > 0:
+            raise ValueError(f"max_norm must be > 0; got {max_norm!r}")
+        self._flush()
+        norm = self._grad_norm(pending=True)
+        self._clip_coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        return norm
+
+    # ---- state dict --------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state dict (loadable by the plain optimizer),
+        plus an ``"accumkernels"`` entry with the in-window state: buffers,
+        micro-step and item counts, inf flags, master weights."""
+        self._flush()
+        sd = self.optimizer.state_dict()
+        sd["accumkernels"] = {
+            "flat_buffer": self._flat.clone(),
+            "touched": sorted(self._index[i] for i in self._touched),
+            "micro_steps": self._micro_steps,
+            "items": self._items.clone() if isinstance(self._items, torch.Tensor) else self._items,
+            "window_found_inf": self._window_found_inf.clone(),
+            "step_found_inf": self._step_found_inf.clone(),
+            "clip_coef": None if self._clip_coef is None else self._clip_coef.clone(),
+            "master_weights": {self._index[k]: v.clone() for k, v in self._masters.items()},
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a checkpoint of this wrapper, or of the plain wrapped optimizer
+        (the window then starts empty)."""
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("accumkernels", None)
+        self.optimizer.load_state_dict(state_dict)
+        for p in self._params:  # the plain optimizer casts state to the param dtype
+            for key, value in self.state.get(p, {}).items():
+                if torch.is_tensor(value) and key != "step" and value.is_floating_point():
+                    self.state[p][key] = value.float()
+        self._clear_window()
+        if extra is None:
+            return
+        if extra["flat_buffer"].shape != self._flat.shape:
+            raise ValueError(
+                f"checkpoint buffer has {extra['flat_buffer'].numel()} elements; this wrapper's has {self._flat.numel()}"
+            )
+        self._flat.copy_(extra["flat_buffer"])
+        self._touched = {id(self._params[i]) for i in extra["touched"]}
+        self._micro_steps = extra["micro_steps"]
+        items = extra["items"]
+        self._items = items.to(self.device) if isinstance(items, torch.Tensor) else items
+        self._window_found_inf.copy_(extra["window_found_inf"])
+        self._step_found_inf.copy_(extra["step_found_inf"])
+        self._clip_coef = None if extra["clip_coef"] is None else extra["clip_coef"].to(self.device)
+        for i, master in extra["master_weights"].items():
+            self._masters[id(self._params[i])].copy_(master)
+
+    # ---- internals: set-up -------------------------------------------------
+
+    @staticmethod
+    def _optimizer_kind(optimizer) -> str:
+        if type(optimizer) is torch.optim.SGD:
+            return "sgd"
+        if type(optimizer) is torch.optim.AdamW:
+            return "adamw"
+        if type(optimizer) is torch.optim.Adam:
+            return "adam"
+        return "fallback"
+
+    def _collect_params(self) -> list[torch.Tensor]:
+        params, seen = [], set()
+        for g, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if id(p) in seen:
+                    raise ValueError(f"a param appears in more than one param group (again in group {g})")
+                seen.add(id(p))
+                if p.layout != torch.strided:
+                    raise TypeError(f"param group {g} holds a {p.layout} param; only dense params are supported")
+                params.append(p)
+        self._signature = self._param_signature()
+        return params
+
+    def _param_signature(self):
+        return tuple(tuple(id(p) for p in group["params"]) for group in self.param_groups)
+
+    def _check_params_unchanged(self) -> None:
+        if self._param_signature() != self._signature:
+            raise RuntimeError(
+                "the wrapped optimizer's params changed after wrapping (a param group was added or edited); "
+                "add every param group before wrapping it"
+            )
+
+    def _make_buffers(self, bucket_cap_mb: float):
+        """One flat fp32 buffer, params laid out in reverse order (the order
+        their gradients usually arrive in), each view 64-byte aligned and with
+        its param's strides; buckets are contiguous runs of at most ~cap bytes."""
+        order = list(reversed(self._params))
+        offsets, total = {}, 0
+        for p in order:
+            offsets[id(p)] = total
+            total += -(-p.numel() // _ALIGN_ELEMENTS) * _ALIGN_ELEMENTS
+        flat = torch.zeros(total, dtype=torch.float32, device=self.device)
+        buffers = []
+        for p in self._params:
+            if p.is_contiguous():
+                view = flat[offsets[id(p)] : offsets[id(p)] + p.numel()].view(p.shape)
+            else:  # dense with another memory order (e.g. channels_last): same strides
+                view = flat.as_strided(p.shape, p.stride(), offsets[id(p)])
+            buffers.append(view)
+        cap = bucket_cap_mb * 2**20
+        buckets, bucket_of, current, size = [], {}, [], 0
+        for p in order:
+            if current and size + p.numel() * 4 > cap:
+                buckets.append(_Bucket(current))
+                current, size = [], 0
+            current.append(p)
+            size += p.numel() * 4
+        if current:
+            buckets.append(_Bucket(current))
+        for b in buckets:
+            for p in b.params:
+                bucket_of[id(p)] = b
+        return buffers, flat, buckets, bucket_of
+
+    # ---- internals: accumulation -------------------------------------------
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        if grad.layout != torch.strided:
+            raise RuntimeError("AccumulatingOptimizer: sparse gradients are not supported")
+        if grad.shape != param.shape:
+            raise RuntimeError(
+                f"AccumulatingOptimizer: a gradient of shape {tuple(grad.shape)} arrived for a param of shape "
+                f"{tuple(param.shape)}"
+            )
+        bucket = self._bucket_of[id(param)]
+        bucket.pending[id(param)] = param
+        self._grads_since_step = True
+        if len(bucket.pending) == len(bucket.params):
+            self._fold(bucket)
+
+    def _flush(self) -> None:
+        """Fold the gradients still waiting in incomplete buckets (params that
+        got no gradient this micro-step leave their bucket incomplete)."""
+        for bucket in self._buckets:
+            if bucket.pending:
+                self._fold(bucket)
+
+    def _inv_loss_scale(self):
+        if self.grad_scaler is None or not self.grad_scaler.is_enabled():
+            return 1.0
+        if self._micro_inv_scale is None:
+            scale = self.grad_scaler._scale
+            if scale is None:
+                raise RuntimeError("grad_scaler has not scaled a loss yet: call scaler.scale(loss).backward()")
+            self._micro_inv_scale = scale.double().reciprocal().float().to(self.device)
+        return self._micro_inv_scale
+
+    @torch.no_grad()
+    def _fold(self, bucket: _Bucket) -> None:
+        # A gradient the user dropped after it arrived (module.zero_grad()) is gone.
+        params = [p for p in bucket.pending.values() if p.grad is not None]
+        bucket.pending.clear()
+        found_inf = self._step_found_inf if self.grad_scaler is not None else None
+        scale = self._inv_loss_scale()
+        for overwrite in (True, False):
+            chosen = [p for p in params if (id(p) not in self._touched) == overwrite]
+            if chosen:
+                ops.accumulate_(
+                    [self._buffers[self._index[id(p)]] for p in chosen],
+                    [p.grad for p in chosen],
+                    scale,
+                    overwrite=overwrite,
+                    found_inf=found_inf,
+                    backend=self.backend,
+                )
+        for p in params:
+            self._touched.add(id(p))
+            p.grad = None
+
+    def _count_items(self, num_items) -> None:
+        if self.normalize != "items":
+            if num_items is not None:
+                raise ValueError(f"num_items is only used with normalize='items' (this wrapper has {self.normalize!r})")
+            return
+        if num_items is None:
+            raise ValueError("normalize='items' needs step(num_items=n) on every micro-step")
+        if isinstance(num_items, torch.Tensor):
+            if num_items.numel() != 1:
+                raise ValueError(f"num_items must have 1 element; got {num_items.numel()}")
+            self._items = self._items + num_items.reshape(()).to(self.device, torch.float32)
+        else:
+            if isinstance(num_items, bool) or not isinstance(num_items, (int, float)) or not num_items > 0:
+                raise ValueError(f"num_items must be > 0; got {num_items!r}")
+            self._items = self._items + float(num_items)
+
+    def _report_to_scaler(self, found_inf: torch.Tensor) -> None:
+        """GradScaler.update() backs off on the inf/NaN flags its optimizers
+        report; it could not see ours (there are no .grad to inspect)."""
+        per_optimizer = self.grad_scaler._per_optimizer_states[id(self)]
+        per_optimizer["found_inf_per_device"] = {self.device: found_inf}
+
+    # ---- internals: the window step ----------------------------------------
+
+    def _normalization(self, pending: bool = False):
+        if self.normalize == "sum":
+            return 1.0
+        if self.normalize == "mean":
+            return 1.0 / max(1, self._micro_steps + (1 if pending and self._grads_since_step else 0))
+        if isinstance(self._items, torch.Tensor):
+            return 1.0 / self._items
+        if self._items <= 0:
+            raise RuntimeError("normalize='items': no items were counted in this window yet")
+        return 1.0 / self._items
+
+    def _grad_norm(self, pending: bool = False) -> torch.Tensor:
+        touched = [self._buffers[self._index[i]] for i in self._touched]
+        if not touched:
+            return torch.zeros((), device=self.device)
+        norm = ops.grad_norm(touched, backend=self.backend)
+        scale = self._normalization(pending)
+        return norm * (scale.abs() if isinstance(scale, torch.Tensor) else abs(scale))
+
+    def _end_window(self) -> None:
+        grad_scale = self._normalization()
+        if self.max_grad_norm is not None:
+            self.last_grad_norm = self._grad_norm()
+            coef = torch.clamp(self.max_grad_norm / (self.last_grad_norm + 1e-6), max=1.0)
+            self._clip_coef = coef if self._clip_coef is None else torch.minimum(coef, self._clip_coef)
+        if self._clip_coef is not None:
+            grad_scale = self._clip_coef * grad_scale
+        if isinstance(grad_scale, torch.Tensor):
+            grad_scale = grad_scale.reshape(1).to(torch.float32)
+        found_inf = self._window_found_inf if self.grad_scaler is not None else None
+        if self._kind == "fallback":
+            self._fallback_step(grad_scale, found_inf)
+        else:
+            for group in self.param_groups:
+                params = [p for p in group["params"] if id(p) in self._touched]
+                if params:
+                    self._step_group(group, params, grad_scale, found_inf)
+        self._clear_window()
+
+    def _clear_window(self) -> None:
+        self._touched.clear()
+        self._micro_steps = 0
+        self._items = 0.0
+        self._grads_since_step = False
+        self._window_found_inf.zero_()
+        self._clip_coef = None
+
+    @staticmethod
+    def _number(value):
+        """A hyperparameter given as a tensor (torch.optim allows a tensor lr) is read once per window."""
+        return float(value) if isinstance(value, torch.Tensor) else value
+
+    def _step_group(self, group, params, grad_scale, found_inf) -> None:
+        # One kernel call per (master weights or not, first step or not).
+        with_master = [p for p in params if id(p) in self._masters]
+        without = [p for p in params if id(p) not in self._masters]
+        for subset in (with_master, without):
+            if not subset:
+                continue
+            masters = [self._masters[id(p)] for p in subset] if subset is with_master else None
+            if self._kind == "sgd":
+                self._sgd(group, subset, masters, grad_scale, found_inf)
+            else:
+                self._adam(group, subset, masters, grad_scale, found_inf)
+
+    def _state_like(self, p, key):
+        """The fp32 state tensor ``key`` of ``p``, created as zeros (laid out like p) if missing."""
+        state = self.state[p]
+        value = state.get(key)
+        if value is None or value.dtype != torch.float32 or value.device != p.device or value.stride() != p.stride():
+            fresh = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+            if value is not None:
+                fresh.copy_(value)
+            state[key] = value = fresh
+        return value
+
+    def _sgd(self, group, params, masters, grad_scale, found_inf) -> None:
+        momentum = group["momentum"]
+        # torch.optim starts a momentum buffer as a copy of the first gradient:
+        # params without one take a separate first-step call.
+        first = {id(p) for p in params if momentum and self.state[p].get("momentum_buffer") is None}
+        for is_first in (True, False):
+            index = [i for i, p in enumerate(params) if (id(p) in first) == is_first]
+            if not index:
+                continue
+            chosen = [params[i] for i in index]
+            ops.sgd_step_and_zero_(
+                chosen,
+                [self._buffers[self._index[id(p)]] for p in chosen],
+                [self._state_like(p, "momentum_buffer") for p in chosen] if momentum else None,
+                lr=self._number(group["lr"]),
+                momentum=momentum,
+                dampening=group["dampening"],
+                weight_decay=group["weight_decay"],
+                nesterov=group["nesterov"],
+                maximize=group.get("maximize", False),
+                is_first_step=is_first,
+                grad_scale=grad_scale,
+                found_inf=found_inf,
+                master_params=[masters[i] for i in index] if masters else None,
+                zero_buffers=False,
+                backend=self.backend,
+            )
+
+    def _adam(self, group, params, masters, grad_scale, found_inf) -> None:
+        adamw = self._kind == "adamw" or group.get("decoupled_weight_decay", False)
+        amsgrad = group["amsgrad"]
+        steps = []
+        for p in params:
+            step = self.state[p].get("step")
+            if step is None or not torch.is_tensor(step) or step.device != p.device or step.dtype != torch.float32:
+                step = torch.tensor(float(step or 0.0), dtype=torch.float32, device=p.device)
+                self.state[p]["step"] = step
+            steps.append(step)
+        fn = ops.adamw_step_and_zero_ if adamw else ops.adam_step_and_zero_
+        fn(
+            params,
+            [self._buffers[self._index[id(p)]] for p in params],
+            [self._state_like(p, "exp_avg") for p in params],
+            [self._state_like(p, "exp_avg_sq") for p in params],
+            steps,
+            max_exp_avg_sqs=[self._state_like(p, "max_exp_avg_sq") for p in params] if amsgrad else None,
+            lr=self._number(group["lr"]),
+            betas=tuple(self._number(b) for b in group["betas"]),
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            amsgrad=amsgrad,
+            maximize=group.get("maximize", False),
+            grad_scale=grad_scale,
+            found_inf=found_inf,
+            master_params=masters,
+            zero_buffers=False,
+            backend=self.backend,
+        )
+
+    def _fallback_step(self, grad_scale, found_inf) -> None:
+        """Any other optimizer: hand it the window's gradient as .grad and let it
+        step. The inf/NaN skip needs one host sync here."""
+        if found_inf is not None and bool(found_inf.item()):
+            return
+        for p in self._params:
+            if id(p) in self._touched:
+                p.grad = (self._buffers[self._index[id(p)]] * grad_scale).to(p.dtype)
+        self.optimizer.step()
+        for p in self._params:
+            p.grad = None
