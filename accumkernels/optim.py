@@ -276,10 +276,13 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         extra = state_dict.pop("accumkernels", None)
         self.optimizer.load_state_dict(state_dict)
-        for p in self._params:  # the plain optimizer casts state to the param dtype
-            for key, value in self.state.get(p, {}).items():
+        # The plain optimizer casts state to the param dtype (bf16 for bf16
+        # params): take the checkpoint's own values, in fp32, instead.
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        for saved_id, p in zip(saved_ids, self._params_in_group_order()):
+            for key, value in state_dict["state"].get(saved_id, {}).items():
                 if torch.is_tensor(value) and key != "step" and value.is_floating_point():
-                    self.state[p][key] = value.float()
+                    self.state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True)
         self._clear_window()
         if extra is None:
             return
@@ -322,6 +325,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 params.append(p)
         self._signature = self._param_signature()
         return params
+
+    def _params_in_group_order(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
 
     def _param_signature(self):
         return tuple(tuple(id(p) for p in group["params"]) for group in self.param_groups)

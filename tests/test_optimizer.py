@@ -1,0 +1,442 @@
+"""AccumulatingOptimizer: N micro-batches equal one big batch, bf16 exactness,
+"items" normalization, GradScaler (both loops), clipping, schedulers, unused
+params, param groups, checkpoints (bitwise resume mid-window), bad use."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import accumkernels as ak
+from bench.models import GPT
+
+# Adam's update lr * m / (sqrt(v) + eps) turns a gradient element near zero
+# into a step of up to lr whatever its size, so the summation-order noise of
+# micro-batches (about 1e-9 here) would move such elements by ~1e-3 with the
+# default eps=1e-8. eps=1e-4 keeps that noise below the 1e-5 tolerance; the
+# kernels' parity with torch.optim at the default eps is tested on identical
+# gradients in test_steps.py.
+ADAM_EPS = 1e-4
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=1e-3)),
+    "adam": (torch.optim.Adam, dict(lr=1e-2, weight_decay=1e-3, eps=ADAM_EPS)),
+    "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, amsgrad=True, eps=ADAM_EPS)),
+}
+
+
+def mlp(norm: str = "layer", dtype=torch.float32) -> nn.Module:
+    torch.manual_seed(1234)
+    norms = {"layer": nn.LayerNorm(32), "group": nn.GroupNorm(4, 32), "batch": nn.BatchNorm1d(32)}
+    return nn.Sequential(nn.Linear(12, 32), norms[norm], nn.GELU(), nn.Linear(32, 3)).to(dtype)
+
+
+def data(n: int = 64):
+    return torch.randn(n, 12), torch.randn(n, 3)
+
+
+def rel_diff(model_a: nn.Module, model_b: nn.Module) -> float:
+    return max(
+        ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12)).item()
+        for a, b in zip(model_a.parameters(), model_b.parameters())
+    )
+
+
+def big_batch_run(model, opt, windows, *, clip=None, scheduler=None):
+    for x, y in windows:
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        if scheduler:
+            scheduler.step()
+
+
+def micro_batch_run(model, opt, windows, n_micro, *, scheduler=None):
+    for x, y in windows:
+        for xb, yb in zip(x.chunk(n_micro), y.chunk(n_micro)):
+            F.mse_loss(model(xb), yb).backward()
+            opt.step()
+            opt.zero_grad()
+            if scheduler and opt.window_stepped:
+                scheduler.step()
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_micro_batches_equal_big_batch(backend, name):
+    cls, hyper = OPTIMIZERS[name]
+    windows = [data() for _ in range(4)]
+    plain, ours = mlp(), mlp()
+    big_batch_run(plain, cls(plain.parameters(), **hyper), windows)
+    opt = ak.AccumulatingOptimizer(cls(ours.parameters(), **hyper), accum_steps=4, backend=backend)
+    micro_batch_run(ours, opt, windows, 4)
+    assert rel_diff(ours, plain) <= 1e-5
+    assert all(p.grad is None for p in ours.parameters())
+
+
+def test_accumulated_grad_is_the_big_batch_gradient(backend):
+    x, y = data()
+    plain, ours = mlp(), mlp()
+    F.mse_loss(plain(x), y).backward()
+    opt = ak.AccumulatingOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1), accum_steps=4, backend=backend)
+    for i, (xb, yb) in enumerate(zip(x.chunk(4), y.chunk(4))):
+        F.mse_loss(ours(xb), yb).backward()
+        if i < 3:
+            opt.step()
+    for p_plain, p_ours in zip(plain.parameters(), ours.parameters()):
+        torch.testing.assert_close(opt.accumulated_grad(p_ours), p_plain.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_bf16_accumulation_is_exact_where_grad_is_not(backend, capsys):
+    """N = 32 micro-batches of a bf16 model: the wrapper's fp32 sum against a
+    float64 sum of the very same bf16 micro-batch gradients, next to the plain
+    path that adds them in bf16 into .grad."""
+    n_micro = 32
+    plain = mlp(dtype=torch.bfloat16)
+    ours = copy.deepcopy(plain)
+    probe = copy.deepcopy(plain)
+    opt = ak.AccumulatingOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1), normalize="sum", backend=backend)
+    exact = [torch.zeros_like(p, dtype=torch.float64) for p in probe.parameters()]
+    for _ in range(n_micro):
+        x, y = (t.bfloat16() for t in data(16))
+        grads = torch.autograd.grad(F.mse_loss(probe(x), y), list(probe.parameters()))
+        for e, g in zip(exact, grads):
+            e += g.double()
+        F.mse_loss(plain(x), y).backward()
+        F.mse_loss(ours(x), y).backward()
+
+    def error(tensors):
+        num = sum(((t.double() - e) ** 2).sum() for t, e in zip(tensors, exact)) ** 0.5
+        return (num / sum((e**2).sum() for e in exact) ** 0.5).item()
+
+    plain_error = error([p.grad for p in plain.parameters()])
+    ours_error = error([opt.accumulated_grad(p) for p in ours.parameters()])
+    with capsys.disabled():
+        print(f"\n  bf16, N={n_micro}: relative error of the summed gradient vs float64: "
+              f"plain .grad {plain_error:.2e}, accumkernels {ours_error:.2e}")  # fmt: skip
+    assert ours_error * 100 <= plain_error
+
+
+def test_items_normalization_weights_tokens(backend):
+    """Micro-batches of different lengths with a sum-reduced loss and
+    step(num_items=...) equal the token-weighted big batch ("mean" does not)."""
+    lengths = [3, 17, 9, 35]
+    chunks = [data(n) for n in lengths]
+    x = torch.cat([c[0] for c in chunks])
+    y = torch.cat([c[1] for c in chunks])
+    plain, ours, naive = mlp(), mlp(), mlp()
+    big_batch_run(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2, eps=ADAM_EPS), [(x, y)])
+
+    opt = ak.AccumulatingOptimizer(torch.optim.AdamW(ours.parameters(), lr=1e-2, eps=ADAM_EPS), accum_steps=4, normalize="items",
+                                   backend=backend)  # fmt: skip
+    naive_opt = ak.AccumulatingOptimizer(torch.optim.AdamW(naive.parameters(), lr=1e-2, eps=ADAM_EPS), accum_steps=4, backend=backend)
+    for i, (xb, yb) in enumerate(chunks):
+        F.mse_loss(ours(xb), yb, reduction="sum").div(3).backward()  # 3 outputs per item
+        opt.step(num_items=torch.tensor(float(lengths[i])) if i % 2 else lengths[i])
+        F.mse_loss(naive(xb), yb).backward()
+        naive_opt.step()
+    assert rel_diff(ours, plain) <= 1e-5
+    assert rel_diff(naive, plain) > 1e-3, "the mean of micro-batch means should differ from the token mean"
+
+
+@pytest.mark.parametrize("loop", ["docs-loop", "wrapper-counts"])
+def test_grad_scaler_skips_a_window_with_inf(backend, loop):
+    n_micro = 4
+    windows = [data() for _ in range(3)]
+    ours = mlp()
+    reference = mlp()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    accum = None if loop == "docs-loop" else n_micro
+    opt = ak.AccumulatingOptimizer(torch.optim.AdamW(ours.parameters(), lr=1e-2, eps=ADAM_EPS), accum_steps=accum,
+                                   grad_scaler=scaler, backend=backend)  # fmt: skip
+    before = [p.detach().clone() for p in ours.parameters()]
+    for w, (x, y) in enumerate(windows):
+        for m, (xb, yb) in enumerate(zip(x.chunk(n_micro), y.chunk(n_micro))):
+            loss = F.mse_loss(ours(xb), yb)
+            if w == 0 and m == 1:
+                loss = loss * float("inf")  # one poisoned micro-batch
+            if loop == "docs-loop":
+                scaler.scale(loss / n_micro).backward()
+                if m == n_micro - 1:
+                    scaler.step(opt)
+                    scaler.update()
+                    opt.zero_grad()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+        if w == 0:
+            assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), before)), "the inf window must be skipped"
+            assert scaler.get_scale() == 2.0**9, "the scaler backs off once"
+            assert not opt.state or all(s["step"].item() == 0 for s in opt.state.values())
+    # The run equals a plain run of the two clean windows.
+    big_batch_run(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=ADAM_EPS), windows[1:])
+    assert rel_diff(ours, reference) <= 1e-5
+
+
+def test_clipping_matches_torch(backend):
+    windows = [(x * 30, y) for x, y in (data() for _ in range(3))]
+    plain, ours, manual = mlp(), mlp(), mlp()
+    big_batch_run(plain, torch.optim.SGD(plain.parameters(), lr=0.05), windows, clip=0.5)
+    opt = ak.AccumulatingOptimizer(torch.optim.SGD(ours.parameters(), lr=0.05), accum_steps=2, max_grad_norm=0.5,
+                                   backend=backend)  # fmt: skip
+    micro_batch_run(ours, opt, windows, 2)
+    assert rel_diff(ours, plain) <= 1e-5
+    assert opt.last_grad_norm is not None and opt.last_grad_norm.item() > 0.5
+
+    # clip_grad_norm_ returns the norm torch computes on the big-batch gradient.
+    x, y = windows[0]
+    manual_opt = ak.AccumulatingOptimizer(torch.optim.SGD(manual.parameters(), lr=0.05), backend=backend)
+    F.mse_loss(manual(x), y).backward()
+    norm = manual_opt.clip_grad_norm_(0.5)
+    probe = mlp()
+    F.mse_loss(probe(x), y).backward()
+    expected = torch.nn.utils.clip_grad_norm_(probe.parameters(), 1e9)
+    torch.testing.assert_close(norm, expected, rtol=1e-5, atol=0)
+
+
+def test_lr_scheduler_and_param_groups(backend):
+    windows = [data() for _ in range(4)]
+    plain, ours = mlp(), mlp()
+
+    def groups(model):
+        return [{"params": model[0].parameters(), "lr": 0.05}, {"params": list(model[1].parameters()) +
+                list(model[3].parameters()), "lr": 0.2, "momentum": 0.5}]  # fmt: skip
+
+    plain_opt = torch.optim.SGD(groups(plain), lr=0.1)
+    big_batch_run(plain, plain_opt, windows, scheduler=torch.optim.lr_scheduler.StepLR(plain_opt, 1, gamma=0.5))
+    opt = ak.AccumulatingOptimizer(torch.optim.SGD(groups(ours), lr=0.1), accum_steps=4, backend=backend)
+    micro_batch_run(ours, opt, windows, 4, scheduler=torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5))
+    assert rel_diff(ours, plain) <= 1e-5
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05 / 16)
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)
+        self.body = nn.Linear(12, 16)
+        self.head_a = nn.Linear(16, 3)
+        self.head_b = nn.Linear(16, 3)
+
+    def forward(self, x, head):
+        return (self.head_a if head == "a" else self.head_b)(torch.tanh(self.body(x)))
+
+
+def test_params_without_gradient_are_skipped(backend):
+    """head_b gets no gradient in the first window: like torch.optim with
+    grad None, no weight decay and no state for it."""
+    plain, ours = TwoHeads(), TwoHeads()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.5, eps=ADAM_EPS)
+    opt = ak.AccumulatingOptimizer(torch.optim.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.5, eps=ADAM_EPS), accum_steps=2,
+                                   backend=backend)  # fmt: skip
+    for heads in (["a", "a"], ["a", "b"]):
+        x, y = data(32)
+        plain_opt.zero_grad(set_to_none=True)
+        sum(F.mse_loss(plain(xb, h), yb) for xb, yb, h in zip(x.chunk(2), y.chunk(2), heads)).div(2).backward()
+        plain_opt.step()
+        for xb, yb, h in zip(x.chunk(2), y.chunk(2), heads):
+            F.mse_loss(ours(xb, h), yb).backward()
+            opt.step()
+        if heads == ["a", "a"]:
+            assert all(ours.head_b.weight not in opt.state for _ in [0])
+            assert torch.equal(ours.head_b.weight, TwoHeads().head_b.weight)
+    assert rel_diff(ours, plain) <= 1e-5
+
+
+def test_fallback_optimizer(backend):
+    windows = [data() for _ in range(3)]
+    plain, ours = mlp(), mlp()
+    big_batch_run(plain, torch.optim.RMSprop(plain.parameters(), lr=1e-3), windows)
+    opt = ak.AccumulatingOptimizer(torch.optim.RMSprop(ours.parameters(), lr=1e-3), accum_steps=4, backend=backend)
+    micro_batch_run(ours, opt, windows, 4)
+    assert rel_diff(ours, plain) <= 1e-5
+
+
+def _train(model, opt, batches):
+    for x, y in batches:
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def test_resume_mid_window_is_bitwise(backend):
+    """Stop after 2 windows and 2 micro-steps, save, load into fresh objects:
+    the rest of the run is bitwise the same as without stopping."""
+    batches = [data(16) for _ in range(16)]
+
+    def make():
+        model = mlp(dtype=torch.bfloat16)
+        opt = ak.AccumulatingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS), accum_steps=4,
+                                       master_weights=True, backend=backend)  # fmt: skip
+        return model, opt
+
+    bf16 = [(x.bfloat16(), y.bfloat16()) for x, y in batches]
+    straight, straight_opt = make()
+    _train(straight, straight_opt, bf16)
+
+    first, first_opt = make()
+    _train(first, first_opt, bf16[:10])
+    blob = io.BytesIO()
+    torch.save({"model": first.state_dict(), "opt": first_opt.state_dict()}, blob)
+    blob.seek(0)
+    saved = torch.load(blob)
+    resumed, resumed_opt = make()
+    resumed.load_state_dict(saved["model"])
+    resumed_opt.load_state_dict(saved["opt"])
+    assert resumed_opt.micro_steps == 2
+    _train(resumed, resumed_opt, bf16[10:])
+    for a, b in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_checkpoints_interoperate_with_the_plain_optimizer(backend):
+    windows = [data() for _ in range(2)]
+    ours = mlp()
+    opt = ak.AccumulatingOptimizer(torch.optim.Adam(ours.parameters(), lr=1e-2, eps=ADAM_EPS), accum_steps=2, backend=backend)
+    micro_batch_run(ours, opt, windows, 2)
+    plain = copy.deepcopy(ours)
+    plain_opt = torch.optim.Adam(plain.parameters(), lr=1e-2, eps=ADAM_EPS)
+    # Through a copy, as through a file: torch's load_state_dict keeps the very
+    # tensors it is given, which would tie the two optimizers' state together.
+    plain_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # the extra entry is ignored
+    # ... and a plain checkpoint loads into a fresh wrapper.
+    again = copy.deepcopy(ours)
+    again_opt = ak.AccumulatingOptimizer(torch.optim.Adam(again.parameters(), lr=1e-2, eps=ADAM_EPS), accum_steps=2, backend=backend)
+    again_opt.load_state_dict(copy.deepcopy(plain_opt.state_dict()))
+    more = [data() for _ in range(2)]
+    big_batch_run(plain, plain_opt, more)
+    micro_batch_run(again, again_opt, more, 2)
+    assert rel_diff(again, plain) <= 1e-5
+
+
+def test_no_grad_is_kept_beside_the_buffers(backend):
+    model = mlp()
+    opt = ak.AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accum_steps=4, bucket_cap_mb=0.001,
+                                   backend=backend)  # fmt: skip
+    x, y = data(8)
+    F.mse_loss(model(x), y).backward()
+    assert all(p.grad is None for p in model.parameters()), "every bucket is folded during backward"
+    assert len(opt._buckets) > 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="peak memory is measured with the CUDA allocator")
+def test_peak_memory_not_above_fp32_grad_path():
+    def peak(use_wrapper):
+        torch.cuda.reset_peak_memory_stats()
+        model = GPT(d=256, layers=4).cuda()
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=ADAM_EPS)
+        opt = ak.AccumulatingOptimizer(inner, accum_steps=4) if use_wrapper else inner
+        idx = torch.randint(0, 256, (8, 64), device="cuda")
+        for _ in range(8):
+            model.loss(idx, idx).backward()
+            opt.step() if use_wrapper else None
+        if not use_wrapper:
+            inner.step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+
+    assert peak(True) <= peak(False)
+
+
+def test_gpt_loss_curve_matches_big_batch(backend):
+    torch.manual_seed(0)
+    plain = GPT(vocab=64, d=32, layers=2, heads=4, ctx=16)
+    ours = copy.deepcopy(plain)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=3e-3, eps=ADAM_EPS)
+    opt = ak.AccumulatingOptimizer(torch.optim.AdamW(ours.parameters(), lr=3e-3, eps=ADAM_EPS), accum_steps=4, max_grad_norm=1.0,
+                                   backend=backend)  # fmt: skip
+    plain_losses, our_losses = [], []
+    for _ in range(6):
+        idx = torch.randint(0, 64, (16, 16))
+        targets = (idx * 7 + 3) % 64  # learnable: a fixed map from each token
+        plain_opt.zero_grad()
+        loss = plain.loss(idx, targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+        plain_opt.step()
+        plain_losses.append(loss.item())
+        window = 0.0
+        for xb, tb in zip(idx.chunk(4), targets.chunk(4)):
+            micro = ours.loss(xb, tb)
+            micro.backward()
+            opt.step()
+            window += micro.item() / 4
+        our_losses.append(window)
+    assert plain_losses[-1] < plain_losses[0], "the model must learn"
+    torch.testing.assert_close(torch.tensor(our_losses), torch.tensor(plain_losses), rtol=1e-4, atol=0)
+    assert rel_diff(ours, plain) <= 1e-4
+
+
+@pytest.mark.parametrize("norm,equal", [("layer", True), ("group", True), ("batch", False)])
+def test_batchnorm_caveat(backend, norm, equal):
+    """BatchNorm normalizes with each micro-batch's statistics, so N micro-batches
+    are not the big batch; LayerNorm and GroupNorm work per sample, so they are."""
+    windows = [data() for _ in range(2)]
+    plain, ours = mlp(norm), mlp(norm)
+    big_batch_run(plain, torch.optim.SGD(plain.parameters(), lr=0.1), windows)
+    opt = ak.AccumulatingOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1), accum_steps=4, backend=backend)
+    micro_batch_run(ours, opt, windows, 4)
+    assert (rel_diff(ours, plain) <= 1e-5) == equal
+
+
+# ---- bad use -------------------------------------------------------------
+
+
+def test_rejects_bad_arguments():
+    model = mlp()
+    with pytest.raises(ValueError, match="accum_steps"):
+        ak.AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accum_steps=0)
+    with pytest.raises(ValueError, match="normalize"):
+        ak.AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), normalize="median")
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        ak.AccumulatingOptimizer(model.parameters())
+    with pytest.raises(ValueError, match="master_weights"):
+        ak.AccumulatingOptimizer(torch.optim.RMSprop(model.parameters()), master_weights=True)
+
+
+def test_rejects_a_param_in_two_groups():
+    model = mlp()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    inner.param_groups.append({**inner.param_groups[0], "params": [model[0].weight]})
+    with pytest.raises(ValueError, match="more than one param group"):
+        ak.AccumulatingOptimizer(inner)
+
+
+def test_rejects_params_added_after_wrapping():
+    model = mlp()
+    extra = nn.Parameter(torch.randn(3))
+    inner = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    opt = ak.AccumulatingOptimizer(inner)
+    with pytest.raises(RuntimeError, match="before wrapping"):
+        opt.add_param_group({"params": [extra]})
+    inner.add_param_group({"params": [extra]})
+    with pytest.raises(RuntimeError, match="before wrapping"):
+        opt.step()
+
+
+def test_rejects_sparse_gradients():
+    emb = nn.Embedding(10, 4, sparse=True)
+    opt = ak.AccumulatingOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1))
+    with pytest.raises(RuntimeError, match="sparse"):
+        emb(torch.tensor([1, 2])).sum().backward()
+    del opt
+
+
+def test_items_mode_needs_positive_num_items():
+    model = mlp()
+    opt = ak.AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), normalize="items")
+    x, y = data(4)
+    F.mse_loss(model(x), y).backward()
+    with pytest.raises(ValueError, match="num_items"):
+        opt.step()
+    with pytest.raises(ValueError, match="num_items"):
+        opt.step(num_items=0)
+    mean_opt = ak.AccumulatingOptimizer(torch.optim.SGD(mlp().parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="num_items"):
+        mean_opt.step(num_items=3)
