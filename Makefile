@@ -4,11 +4,15 @@
 #
 #   make test                 # the whole test suite (CI runs this)
 #   make bench                # kernel benchmark on the best device present
-#   TORCH=torch==2.14.1 make  # another torch (a CUDA build compiles csrc/cuda too)
+#
+# The default torch is 2.14.1, a CUDA 13.0 build: with a CUDA toolkit present
+# (CUDA_HOME, or /usr/local/cuda) the CUDA kernels are compiled too, GPU or not,
+# and their tests run on every GPU present. TORCH=torch==2.13.0 (a CPU build)
+# skips them and installs much faster.
 
 PYTHON ?= python3
 VENV   ?= .venv
-TORCH  ?= torch==2.13.0
+TORCH  ?= torch==2.14.1
 PY     := $(VENV)/bin/python
 NATIVE_SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
 
@@ -18,6 +22,8 @@ $(VENV)/.deps:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)" ninja pytest numpy "setuptools>=64" wheel
+	if $(PY) -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)"; then \
+		$(PY) -m pip install --quiet cuda-bindings; fi
 	touch $@
 
 $(VENV)/.built: $(VENV)/.deps $(NATIVE_SOURCES)

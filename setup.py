@@ -3,8 +3,8 @@
 - The CPU sources are always built. The loops (csrc/cpu/kernels_*.cpp) are
   compiled once per ISA and chosen at run time, so the build never uses
   -march=native and the wheel runs on any x86-64 (or, default only, any CPU).
-- The CUDA sources (csrc/cuda/*.cu) are built when torch is a CUDA build and
-  CUDA_HOME (or torch's guess) holds nvcc. TORCH_CUDA_ARCH_LIST overrides the
+- The CUDA sources (csrc/cuda/*.cu) are built when torch is a CUDA build and a
+  CUDA toolkit is found (see _cuda_home). TORCH_CUDA_ARCH_LIST overrides the
   default architectures (8.0 and 9.0 plus PTX).
 - ACCUMKERNELS_SKIP_NATIVE=1 builds no native code: the package then runs on
   its pure-PyTorch reference backend only.
@@ -37,11 +37,15 @@ def _cpu_sources() -> list[str]:
 
 
 def _cuda_home():
+    """The CUDA toolkit folder: CUDA_HOME or CUDA_PATH if set, else /usr/local/cuda,
+    else torch's guess. torch guesses from the nvcc on PATH, which is wrong where
+    that nvcc is a wrapper script outside the toolkit, so a folder only counts if
+    it holds both bin/nvcc and include/cuda_runtime.h."""
     from torch.utils import cpp_extension
 
-    home = os.environ.get("CUDA_HOME") or cpp_extension.CUDA_HOME
-    if home and (Path(home) / "bin" / "nvcc").exists():
-        return home
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda", cpp_extension.CUDA_HOME):
+        if home and (Path(home) / "bin" / "nvcc").exists() and (Path(home) / "include" / "cuda_runtime.h").exists():
+            return str(Path(home).resolve())
     return None
 
 
@@ -57,8 +61,12 @@ def _extensions():
     link_flags = ["-fopenmp"]
     sources = _cpu_sources()
     cuda_sources = sorted(str(p.relative_to(ROOT)) for p in (CSRC / "cuda").glob("*.cu"))
-    with_cuda = bool(torch.version.cuda) and bool(cuda_sources) and _cuda_home() is not None
+    cuda_home = _cuda_home() if torch.version.cuda else None
+    with_cuda = bool(cuda_sources) and cuda_home is not None
     if with_cuda:
+        # cpp_extension reads its module-level CUDA_HOME when it builds.
+        os.environ["CUDA_HOME"] = cuda_home
+        cpp_extension.CUDA_HOME = cuda_home
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
         extension = cpp_extension.CUDAExtension(
             "accumkernels._C",

@@ -1,0 +1,89 @@
+// grad_norm on CUDA: sqrt(sum of x^2 over every element of every buffer).
+// Deterministic, with no float atomics: pass 1 writes one double partial sum
+// per chunk (a fixed-order tree inside each block), pass 2 adds the partials
+// in a fixed order in one block.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "../checks.h"
+#include "multi_tensor.cuh"
+
+namespace accumkernels::cuda {
+namespace {
+
+constexpr const char* kOp = "accumkernels::grad_norm";
+
+// Sum of `value` over the block, in a fixed order; the result is valid in thread 0.
+__device__ double block_sum(double value) {
+  __shared__ double shared[kBlock];
+  shared[threadIdx.x] = value;
+  __syncthreads();
+  for (int stride = kBlock / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) shared[threadIdx.x] += shared[threadIdx.x + stride];
+    __syncthreads();
+  }
+  return shared[0];
+}
+
+struct SumSquaresFunctor {
+  __device__ void operator()(const Meta<1>& meta, int t, int64_t start, int64_t n,
+                             int global_chunk, double* partials) {
+    const float* x = static_cast<const float*>(meta.addresses[0][t]) + start;
+    double sum = 0.0;
+    for_chunk(
+        n, aligned<float>(x),
+        [&](int64_t i) {
+          float v[kILP];
+          load_pack(v, x, i);
+#pragma unroll
+          for (int k = 0; k < kILP; ++k) sum += static_cast<double>(v[k]) * v[k];
+        },
+        [&](int64_t i) { sum += static_cast<double>(x[i]) * x[i]; });
+    const double total = block_sum(sum);
+    if (threadIdx.x == 0) partials[global_chunk] = total;
+  }
+};
+
+__global__ void __launch_bounds__(kBlock) finish_norm(const double* partials, int64_t count,
+                                                      float* out) {
+  double sum = 0.0;
+  for (int64_t i = threadIdx.x; i < count; i += blockDim.x) sum += partials[i];
+  const double total = block_sum(sum);
+  if (threadIdx.x == 0) *out = static_cast<float>(sqrt(total));
+}
+
+at::Tensor grad_norm_cuda(at::TensorList buffers) {
+  TORCH_CHECK_VALUE(!buffers.empty(), kOp,
+                    ": buffers is empty; expected at least one tensor (the result's device comes "
+                    "from them)");
+  const at::Device device = buffers[0].device();
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    check_tensor(kOp, buffers[i], "buffers", i, device, {at::kFloat});
+  }
+  const c10::cuda::CUDAGuard guard(device);
+  std::vector<std::vector<void*>> lists(1);
+  std::vector<int64_t> numels;
+  int64_t chunks = 0;
+  for (const auto& b : buffers) {
+    lists[0].push_back(const_cast<void*>(b.const_data_ptr()));
+    numels.push_back(b.numel());
+    chunks += (b.numel() + kChunk - 1) / kChunk;
+  }
+  if (chunks == 0) return at::zeros({}, buffers[0].options());
+  at::Tensor partials = at::empty({chunks}, buffers[0].options().dtype(at::kDouble));
+  at::Tensor out = at::empty({}, buffers[0].options());
+  multi_tensor_apply<1>(lists, numels, SumSquaresFunctor{}, partials.data_ptr<double>());
+  finish_norm<<<1, kBlock, 0, c10::cuda::getCurrentCUDAStream()>>>(partials.data_ptr<double>(),
+                                                                   chunks, out.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(accumkernels, CUDA, m) { m.impl("grad_norm", &grad_norm_cuda); }
+
+}  // namespace accumkernels::cuda
