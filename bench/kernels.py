@@ -65,20 +65,26 @@ def _check_adamw(device, backend, n):
 
 class Group:
     """The cases of one group, timed together in interleaved rounds with a
-    ceiling case (torch's fp32 add_) of its own."""
+    ceiling case of its own: on CUDA a device-to-device fp32 copy (8 B/element),
+    on the CPU torch's fp32 ``buf.add_(grad)`` (12 B/element)."""
 
     def __init__(self, name: str, device: torch.device, numel: int) -> None:
         self.name, self.device, self.cases = name, device, []
         a, b = torch.randn(numel, device=device), torch.randn(numel, device=device)
-        self.add("ceiling" if name == "accumulate" else f"ceiling_{name}", "torch fp32 buf.add_(fp32 grad) (ceiling)",
-                 12, numel, lambda: a.add_(b))  # fmt: skip
+        key = "ceiling" if name == "accumulate" else f"ceiling_{name}"
+        if device.type == "cuda":
+            self.ceiling_bytes = 8
+            self.add(key, "torch fp32 device-to-device copy_ (ceiling)", 8, numel, lambda: a.copy_(b))
+        else:
+            self.ceiling_bytes = 12
+            self.add(key, "torch fp32 buf.add_(fp32 grad) (ceiling)", 12, numel, lambda: a.add_(b))
 
     def add(self, key, label, bytes_per_element, numel, fn) -> None:
         self.cases.append((key, label, bytes_per_element, numel, fn))
 
     def time(self, reps: int, rows: list) -> None:
         seconds = common.interleaved_medians([c[4] for c in self.cases], self.device, reps=reps)
-        ceiling = _gbs(12, self.cases[0][3], seconds[0])
+        ceiling = _gbs(self.ceiling_bytes, self.cases[0][3], seconds[0])
         for (key, label, bpe, n, _), s in zip(self.cases, seconds):
             gbps = _gbs(bpe, n, s)
             rows.append({"key": key, "group": self.name, "name": label, "bytes_per_element": bpe, "numel": n,
@@ -167,8 +173,33 @@ def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
         group.add(f"adamw_nozero[{backend}]", f"adamw_step_and_zero_ zero_buffers=False [{backend}] (28 B)", 28, numel,
                   lambda backend=backend: ak.adamw_step_and_zero_([p], [g], [m], [v], [step], lr=1e-3, zero_buffers=False,
                                                                   backend=backend))  # fmt: skip
+    # The same step over a model's 200 tensors, against torch's fused AdamW:
+    # GPT d=512 (60M elements) on the CPU, d=2048 (846M) on CUDA.
+    d_model = 2048 if device.type == "cuda" and not quick else 512
+    shapes = transformer_shapes(d=d_model)
+    if quick:
+        shapes = [(max(1, s[0] // 8), *s[1:]) for s in shapes]
+    model_params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.1) for s in shapes]
+    for mp in model_params:
+        mp.grad = torch.randn_like(mp) * 1e-3
+    list_n = sum(mp.numel() for mp in model_params)
+    fused = torch.optim.AdamW(model_params, lr=1e-3, fused=True)
+
+    def torch_list_step():
+        fused.step()
+        fused.zero_grad(set_to_none=False)
+
+    tag = f"{len(shapes)} tensors, GPT d={d_model}, {list_n / 1e6:.0f}M elements"
+    group.add("adamw_list_torch_fused", f"torch AdamW(fused).step() + grad.zero_(), {tag}", 32, list_n, torch_list_step)
+    lp = [mp.detach() for mp in model_params]
+    lg = [mp.grad for mp in model_params]
+    lm, lv = [torch.zeros_like(x) for x in lp], [torch.zeros_like(x) for x in lp]
+    ls = [torch.zeros((), device=device) for _ in lp]
+    for backend in backends:
+        group.add(f"adamw_list[{backend}]", f"adamw_step_and_zero_, {tag} [{backend}]", 32, list_n,
+                  lambda backend=backend: ak.adamw_step_and_zero_(lp, lg, lm, lv, ls, lr=1e-3, backend=backend))  # fmt: skip
     group.time(reps, rows)
-    del group
+    del group, model_params, lp, lg, lm, lv, fused
 
     group = Group("sgd", device, numel)
     sgd = torch.optim.SGD(params, lr=1e-3, foreach=True)
@@ -187,22 +218,33 @@ def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
 
 # (figure, numerator key, denominator key, compare, target): "gbps" divides
 # GB/s (key over key), "time" divides median times (slow key over fast key).
-HEADLINE = [
-    ("accumulate_ bf16 GB/s / ceiling GB/s", "accumulate_bf16[{b}]", "ceiling", "gbps", 0.9),
-    ("accumulate_ bf16 speedup vs torch mixed add_", "torch_add_bf16", "accumulate_bf16[{b}]", "time", 4.5),
-    ("GPT d=512 list: one call vs Python loop", "list512_loop", "list512[{b}]", "time", 4.0),
-    ("GPT d=2048 list: one call vs Python loop", "list2048_loop", "list2048[{b}]", "time", 4.0),
-    ("adamw_step_and_zero_ vs torch fused + zero_", "adamw_torch_fused", "adamw[{b}]", "time", 1.1),
-    ("adamw step, zero_buffers=False vs torch fused + zero_", "adamw_torch_fused", "adamw_nozero[{b}]", "time", 1.1),
-    ("adamw_step_and_zero_ vs torch foreach + zero_", "adamw_torch_foreach", "adamw[{b}]", "time", 3.0),
-]
+# The targets are those of the issues: CPU (issue 2) and CUDA (issue 3).
+HEADLINE = {
+    "cpu": [
+        ("accumulate_ bf16 GB/s / ceiling GB/s", "accumulate_bf16[{b}]", "ceiling", "gbps", 0.9),
+        ("accumulate_ bf16 speedup vs torch mixed add_", "torch_add_bf16", "accumulate_bf16[{b}]", "time", 4.5),
+        ("GPT d=512 list: one call vs Python loop", "list512_loop", "list512[{b}]", "time", 4.0),
+        ("GPT d=2048 list: one call vs Python loop", "list2048_loop", "list2048[{b}]", "time", 4.0),
+        ("adamw_step_and_zero_ vs torch fused + zero_", "adamw_torch_fused", "adamw[{b}]", "time", 1.1),
+        ("adamw step, zero_buffers=False vs torch fused + zero_", "adamw_torch_fused", "adamw_nozero[{b}]", "time", 1.1),
+        ("adamw_step_and_zero_ vs torch foreach + zero_", "adamw_torch_foreach", "adamw[{b}]", "time", 3.0),
+    ],
+    "cuda": [
+        ("accumulate_ bf16, fraction of copy bandwidth", "accumulate_bf16[{b}]", "ceiling", "gbps", 0.9),
+        ("accumulate_ 200 tensors (d=2048), fraction of copy bandwidth", "list2048[{b}]", "ceiling_list2048", "gbps", 0.9),
+        ("accumulate_ 200 tensors vs torch _foreach_add_", "list2048_foreach", "list2048[{b}]", "time", 1.5),
+        ("accumulate_ bf16 vs torch mixed add_", "torch_add_bf16", "accumulate_bf16[{b}]", "time", 1.5),
+        ("AdamW 200 tensors, fraction of copy bandwidth", "adamw_list[{b}]", "ceiling_adamw", "gbps", 0.9),
+        ("AdamW 200 tensors vs torch fused + zero_", "adamw_list_torch_fused", "adamw_list[{b}]", "time", 1.2),
+    ],
+}
 
 
-def headline(result: dict, backend: str) -> list[dict]:
+def headline(result: dict, backend: str, device_type: str) -> list[dict]:
     """The figures the issues set targets for, as ratios of medians."""
     by_key = {r["key"]: r for r in result["rows"]}
     out = []
-    for label, a, b, compare, target in HEADLINE:
+    for label, a, b, compare, target in HEADLINE[device_type]:
         ra, rb = by_key.get(a.format(b=backend)), by_key.get(b.format(b=backend))
         if ra is None or rb is None:
             continue
@@ -214,14 +256,16 @@ def headline(result: dict, backend: str) -> list[dict]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present, else cpu)")
-    parser.add_argument("--numel", type=int, default=32 * 2**20, help="elements of the single-tensor cases (default 32M)")
+    parser.add_argument("--numel", type=int, default=None,
+                        help="elements of the single-tensor cases (default 32M on the CPU, 64M on CUDA)")
     parser.add_argument("--reps", type=int, default=15, help="timed repetitions per case (median reported)")
     parser.add_argument("--quick", action="store_true", help="4M elements, one smaller model list, 5 reps")
     parser.add_argument("--out", default=None, help="results file name (no .json)")
     parser.add_argument("--results-dir", default=None, help="where to write it (default bench/results/)")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    numel, reps = (4 * 2**20, 5) if args.quick else (args.numel, args.reps)
+    default_numel = 64 * 2**20 if device.type == "cuda" else 32 * 2**20
+    numel, reps = (4 * 2**20, 5) if args.quick else (args.numel or default_numel, args.reps)
 
     record = common.machine_record(device)
     print(f"accumkernels kernel benchmark on {device} ({record['cpu'] if device.type == 'cpu' else record.get('gpu')}), "
@@ -229,7 +273,7 @@ def main(argv=None) -> int:
     result = run(device, numel, reps, args.quick)
     native = "cuda" if device.type == "cuda" else "cpu"
     backend = native if native in ak.available_backends() else None
-    heads = headline(result, backend) if backend else []
+    heads = headline(result, backend, device.type) if backend else []
     payload = {"machine": record, "quick": args.quick, **result, "headline": heads}
     name = args.out or f"kernels-{device.type}{'-quick' if args.quick else ''}"
     path = common.write_results(name, payload, args.results_dir)
@@ -238,7 +282,8 @@ def main(argv=None) -> int:
     print(common.table(result["rows"], [("group", "group", "s"), ("name", "path", "s"), ("median_ms", "median ms", ".3f"),
                                         ("bytes_per_element", "B/elem", ".0f"), ("gbps", "GB/s", ".1f"),
                                         ("fraction_of_ceiling", "of ceiling", ".2f")]))  # fmt: skip
-    print("\nceiling: torch's fp32 buf.add_(grad) at 12 B/element, timed in each group, interleaved with its cases")
+    ceiling = "a device-to-device fp32 copy_ (8 B/element)" if device.type == "cuda" else "torch's fp32 buf.add_(grad) (12 B/element)"
+    print(f"\nceiling: {ceiling}, timed in each group, interleaved with its cases")
     print()
     print(common.table(heads, [("figure", f"headline [{backend}]", "s"), ("value", "value", ".2f"),
                                ("target", "target", ".2f"), ("met", "met", "")]))  # fmt: skip

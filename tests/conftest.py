@@ -13,8 +13,14 @@ import zlib
 import pytest
 import torch
 
-import accumkernels
-from accumkernels import _native
+# Without a GPU, Triton kernels run on CPU tensors in Triton's interpreter,
+# which must be chosen before any kernel is defined.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import accumkernels  # noqa: E402
+from accumkernels import _native  # noqa: E402
+from accumkernels.backends import triton_backend  # noqa: E402
 
 SEED = int(os.environ.get("ACCUMKERNELS_TEST_SEED", random.SystemRandom().randrange(2**31)))
 
@@ -22,6 +28,9 @@ SEED = int(os.environ.get("ACCUMKERNELS_TEST_SEED", random.SystemRandom().randra
 # build was skipped on purpose: a broken build must fail the tests, not skip them.
 NATIVE_SKIPPED = os.environ.get("ACCUMKERNELS_SKIP_NATIVE", "") not in ("", "0")
 CPU_BACKENDS = ["reference"] + ([] if NATIVE_SKIPPED else ["cpu"])
+# Triton joins them where its interpreter runs on CPU tensors (where triton is installed).
+if triton_backend.unavailable_reason() is None and triton_backend.supports(torch.device("cpu")):
+    CPU_BACKENDS.append("triton")
 
 
 def pytest_report_header(config):

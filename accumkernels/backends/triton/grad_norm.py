@@ -1,0 +1,51 @@
+"""grad_norm in Triton: sqrt(sum of x^2), deterministic: one fp64 partial per
+chunk, then one program adds the partials in a fixed order."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _common as c
+
+
+@triton.jit
+def _partials_kernel(meta, T, C, partials_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    t, start, n = c.chunk_of(meta, 1, T, C)
+    x_ptr = c.pointer(meta, 0, T, t, tl.float32)
+    acc = tl.zeros((BLOCK,), dtype=tl.float64)
+    for i in range(0, CHUNK, BLOCK):
+        offs = start + i + tl.arange(0, BLOCK).to(tl.int64)
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float64)
+        acc += x * x
+    tl.store(partials_ptr + tl.program_id(0), tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _finish_kernel(partials_ptr, count, out_ptr, BLOCK: tl.constexpr):
+    acc = tl.zeros((BLOCK,), dtype=tl.float64)
+    for i in range(0, count, BLOCK):
+        offs = i + tl.arange(0, BLOCK)
+        acc += tl.load(partials_ptr + offs, mask=offs < count, other=0.0)
+    tl.store(out_ptr, tl.sqrt(tl.sum(acc, axis=0)).to(tl.float32))
+
+
+@torch.library.custom_op("accumkernels_triton::grad_norm", mutates_args=())
+def grad_norm(buffers: list[torch.Tensor]) -> torch.Tensor:
+    """sqrt(sum of x^2 over every element of every buffer), 0-dim fp32."""
+    device = buffers[0].device
+    tensors = [b for b in buffers if b.numel() > 0]
+    out = torch.zeros((), dtype=torch.float32, device=device)
+    if not tensors:
+        return out
+    meta, count, chunks = c.build_meta([tensors], [b.numel() for b in tensors], device)
+    partials = torch.empty(chunks, dtype=torch.float64, device=device)
+    _partials_kernel[(chunks,)](meta, count, chunks, partials, CHUNK=c.CHUNK, BLOCK=c.BLOCK, num_warps=c.NUM_WARPS)
+    _finish_kernel[(1,)](partials, chunks, out, BLOCK=1024, num_warps=c.NUM_WARPS)
+    return out
+
+
+@grad_norm.register_fake
+def _(buffers):
+    return buffers[0].new_empty(())
