@@ -88,6 +88,17 @@ def _check_step_tensors(op, params, buffers, master_params):
     return device
 
 
+def _check_stochastic_rounding(op, stochastic_rounding, seed, master_params) -> int:
+    if stochastic_rounding and master_params:
+        raise ValueError(
+            f"{op}: stochastic_rounding and master_params exclude each other "
+            "(with master weights the params are rounded copies of them)"
+        )
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise ValueError(f"{op}: seed must be an int in [0, 2**32); got {seed!r}")
+    return seed
+
+
 def _check_state(op, state, name, params):
     v.check_length(op, state, name, len(params), "one per param")
     for i, (s, p) in enumerate(zip(state, params)):
@@ -110,6 +121,8 @@ def sgd_step_and_zero_(
     found_inf: torch.Tensor | None = None,
     master_params: Tensors | None = None,
     zero_buffers: bool = True,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
     backend: str | None = None,
 ) -> None:
     """One torch.optim.SGD step from fp32 gradient buffers, then clear them, in one pass.
@@ -141,6 +154,14 @@ def sgd_step_and_zero_(
         is_first_step: the momentum buffers hold no history yet (torch.optim
             starts them as a copy of the first gradient).
         zero_buffers: write zeros into the buffers in the same pass.
+        stochastic_rounding: round bf16 params stochastically (see below).
+        seed: the stochastic rounding seed; use a new one every step.
+
+    Stochastic rounding (bf16 params, no master weights): the param receives
+    ``w`` with 16 random bits added below the bf16 mantissa, then truncated, so
+    its expected value is ``w`` and small updates are not lost to rounding. The
+    bits are a fixed hash of (seed, position in the list, element index), the
+    same in every backend.
     """
     op = "accumkernels.sgd_step_and_zero_"
     params = v.as_tensor_list(op, params, "params")
@@ -153,6 +174,7 @@ def sgd_step_and_zero_(
     weight_decay = v.check_number(op, weight_decay, "weight_decay", low=0.0)
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError(f"{op}: nesterov requires momentum > 0 and dampening == 0")
+    seed = _check_stochastic_rounding(op, stochastic_rounding, seed, master_params)
     if not params:
         v.check_length(op, buffers, "buffers", 0, "one buffer per param")
         v.scale_argument(op, grad_scale, "grad_scale", None)
@@ -172,12 +194,13 @@ def sgd_step_and_zero_(
     resolve(backend, device).sgd_step_and_zero_(
         params, buffers, momentum_buffers, master_params, lr, momentum, dampening, weight_decay,
         bool(nesterov), bool(maximize), bool(is_first_step), scale_value, scale_tensor, found_inf,
-        bool(zero_buffers),
+        bool(zero_buffers), bool(stochastic_rounding), seed,
     )  # fmt: skip
 
 
 def _adam_family(op, adamw, params, buffers, exp_avgs, exp_avg_sqs, state_steps, max_exp_avg_sqs, lr, betas,
-                 eps, weight_decay, amsgrad, maximize, grad_scale, found_inf, master_params, zero_buffers, backend):
+                 eps, weight_decay, amsgrad, maximize, grad_scale, found_inf, master_params, zero_buffers,
+                 stochastic_rounding, seed, backend):
     params = v.as_tensor_list(op, params, "params")
     buffers = v.as_tensor_list(op, buffers, "buffers")
     exp_avgs = v.as_tensor_list(op, exp_avgs, "exp_avgs")
@@ -192,6 +215,7 @@ def _adam_family(op, adamw, params, buffers, exp_avgs, exp_avg_sqs, state_steps,
     beta2 = v.check_number(op, betas[1], "betas[1]", low=0.0, high=1.0, high_inclusive=False)
     eps = v.check_number(op, eps, "eps", low=0.0)
     weight_decay = v.check_number(op, weight_decay, "weight_decay", low=0.0)
+    seed = _check_stochastic_rounding(op, stochastic_rounding, seed, master_params)
     if not params:
         v.check_length(op, buffers, "buffers", 0, "one buffer per param")
         v.scale_argument(op, grad_scale, "grad_scale", None)
@@ -221,6 +245,7 @@ def _adam_family(op, adamw, params, buffers, exp_avgs, exp_avg_sqs, state_steps,
     fn(
         params, buffers, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, lr, beta1, beta2,
         eps, weight_decay, bool(amsgrad), bool(maximize), scale_value, scale_tensor, found_inf, bool(zero_buffers),
+        bool(stochastic_rounding), seed,
     )  # fmt: skip
 
 
@@ -255,6 +280,8 @@ _ADAM_DOC = """One torch.optim.{cls} step from fp32 gradient buffers, then clear
         found_inf: optional 1-element fp32 device tensor; nonzero skips the step.
         master_params: optional fp32 weights for bf16/fp16 params.
         zero_buffers: write zeros into the buffers in the same pass.
+        stochastic_rounding: round bf16 params stochastically, as
+            sgd_step_and_zero_ describes; seed: its seed, new every step.
     """
 
 
@@ -276,12 +303,14 @@ def adam_step_and_zero_(
     found_inf: torch.Tensor | None = None,
     master_params: Tensors | None = None,
     zero_buffers: bool = True,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
     backend: str | None = None,
 ) -> None:
     _adam_family(
         "accumkernels.adam_step_and_zero_", False, params, buffers, exp_avgs, exp_avg_sqs, state_steps,
         max_exp_avg_sqs, lr, betas, eps, weight_decay, amsgrad, maximize, grad_scale, found_inf, master_params,
-        zero_buffers, backend,
+        zero_buffers, stochastic_rounding, seed, backend,
     )  # fmt: skip
 
 
@@ -303,12 +332,14 @@ def adamw_step_and_zero_(
     found_inf: torch.Tensor | None = None,
     master_params: Tensors | None = None,
     zero_buffers: bool = True,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
     backend: str | None = None,
 ) -> None:
     _adam_family(
         "accumkernels.adamw_step_and_zero_", True, params, buffers, exp_avgs, exp_avg_sqs, state_steps,
         max_exp_avg_sqs, lr, betas, eps, weight_decay, amsgrad, maximize, grad_scale, found_inf, master_params,
-        zero_buffers, backend,
+        zero_buffers, stochastic_rounding, seed, backend,
     )  # fmt: skip
 
 

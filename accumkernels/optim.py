@@ -68,6 +68,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         max_grad_norm: clip the window's gradient to this global L2 norm.
         master_weights: keep fp32 master weights for bf16/fp16 params (the params
             become their rounded copies).
+        stochastic_rounding: round the updated bf16 params stochastically instead
+            (unbiased, so updates far below a bf16 ulp are not lost), with a new
+            seed every window; the alternative to master weights that costs no memory.
         grad_scaler: the ``torch.amp.GradScaler`` scaling the loss, if any: each
             micro-batch is unscaled as it is accumulated, and a window with an inf
             or NaN is skipped whole (params and state untouched, buffers cleared),
@@ -86,6 +89,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         normalize: str = "mean",
         max_grad_norm: float | None = None,
         master_weights: bool = False,
+        stochastic_rounding: bool = False,
         grad_scaler: torch.amp.GradScaler | None = None,
         bucket_cap_mb: float = 25.0,
         backend: str | None = None,
@@ -121,8 +125,12 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self.grad_scaler = grad_scaler
         self.backend = backend
         self._kind = self._optimizer_kind(optimizer)
-        if master_weights and self._kind == "fallback":
-            raise ValueError(f"master_weights needs SGD, Adam or AdamW (the fused step); got {type(optimizer).__name__}")
+        for flag, name in ((master_weights, "master_weights"), (stochastic_rounding, "stochastic_rounding")):
+            if flag and self._kind == "fallback":
+                raise ValueError(f"{name} needs SGD, Adam or AdamW (the fused step); got {type(optimizer).__name__}")
+        if master_weights and stochastic_rounding:
+            raise ValueError("master_weights and stochastic_rounding exclude each other: choose one")
+        self.stochastic_rounding = stochastic_rounding
 
         self._params = self._collect_params()
         devices = {p.device for p in self._params}
@@ -145,6 +153,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._window_found_inf = torch.zeros(1, device=self.device)
         self._step_found_inf = torch.zeros(1, device=self.device)
         self._micro_inv_scale: torch.Tensor | None = None
+        self._windows = 0  # windows ended so far: the stochastic rounding seed
         self._clip_coef: torch.Tensor | None = None
         self.last_grad_norm: torch.Tensor | None = None
         self.window_stepped = False  # True right after the step() call that ended a window
@@ -267,6 +276,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             "step_found_inf": self._step_found_inf.clone(),
             "clip_coef": None if self._clip_coef is None else self._clip_coef.clone(),
             "master_weights": {self._index[k]: v.clone() for k, v in self._masters.items()},
+            "windows": self._windows,
         }
         return sd
 
@@ -300,6 +310,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._clip_coef = None if extra["clip_coef"] is None else extra["clip_coef"].to(self.device)
         for i, master in extra["master_weights"].items():
             self._masters[id(self._params[i])].copy_(master)
+        self._windows = extra.get("windows", 0)
 
     # ---- internals: set-up -------------------------------------------------
 
@@ -490,6 +501,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 params = [p for p in group["params"] if id(p) in self._touched]
                 if params:
                     self._step_group(group, params, grad_scale, found_inf)
+        self._windows += 1
         self._clear_window()
 
     def _clear_window(self) -> None:
@@ -554,6 +566,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 found_inf=found_inf,
                 master_params=[masters[i] for i in index] if masters else None,
                 zero_buffers=False,
+                stochastic_rounding=self.stochastic_rounding,
+                seed=self._windows % 2**32,
                 backend=self.backend,
             )
 
@@ -585,6 +599,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             found_inf=found_inf,
             master_params=masters,
             zero_buffers=False,
+            stochastic_rounding=self.stochastic_rounding,
+            seed=self._windows % 2**32,
             backend=self.backend,
         )
 

@@ -101,6 +101,15 @@ inline void check_step_tensors(const char* op, at::TensorList params, at::Tensor
   }
 }
 
+// Stochastic rounding rounds the bf16 params themselves: with master weights
+// the params are round-to-nearest copies of them instead.
+inline void check_stochastic_rounding(const char* op, bool stochastic_rounding,
+                                      at::TensorList master_params) {
+  TORCH_CHECK_VALUE(!stochastic_rounding || master_params.empty(), op,
+                    ": stochastic_rounding and master_params exclude each other (with master "
+                    "weights the params are rounded copies of them)");
+}
+
 // Optimizer state: one fp32 tensor per param, laid out like it.
 inline void check_state(const char* op, at::TensorList state, const char* name,
                         at::TensorList params) {

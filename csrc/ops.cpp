@@ -9,7 +9,8 @@
   "Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] max_exp_avg_sqs, Tensor(f!)[] state_steps, "      \
   "Tensor(g!)[] master_params, float lr, float beta1, float beta2, float eps, "             \
   "float weight_decay, bool amsgrad, bool maximize, float grad_scale, "                     \
-  "Tensor? grad_scale_tensor, Tensor? found_inf, bool zero_buffers) -> ()"
+  "Tensor? grad_scale_tensor, Tensor? found_inf, bool zero_buffers, "                      \
+  "bool stochastic_rounding=False, int seed=0) -> ()"
 
 TORCH_LIBRARY(accumkernels, m) {
   m.def(
@@ -19,7 +20,8 @@ TORCH_LIBRARY(accumkernels, m) {
       "sgd_step_and_zero_(Tensor(a!)[] params, Tensor(b!)[] buffers, "
       "Tensor(c!)[] momentum_buffers, Tensor(d!)[] master_params, float lr, float momentum, "
       "float dampening, float weight_decay, bool nesterov, bool maximize, bool is_first_step, "
-      "float grad_scale, Tensor? grad_scale_tensor, Tensor? found_inf, bool zero_buffers) -> ()");
+      "float grad_scale, Tensor? grad_scale_tensor, Tensor? found_inf, bool zero_buffers, "
+      "bool stochastic_rounding=False, int seed=0) -> ()");
   m.def("adam_step_and_zero_" ADAM_ARGUMENTS);
   m.def("adamw_step_and_zero_" ADAM_ARGUMENTS);
   m.def("grad_norm(Tensor[] buffers) -> Tensor");

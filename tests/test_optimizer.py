@@ -265,7 +265,8 @@ def _train(model, opt, batches):
         opt.step()
 
 
-def test_resume_mid_window_is_bitwise(backend):
+@pytest.mark.parametrize("precision", ["master_weights", "stochastic_rounding"])
+def test_resume_mid_window_is_bitwise(backend, precision):
     """Stop after 2 windows and 2 micro-steps, save, load into fresh objects:
     the rest of the run is bitwise the same as without stopping."""
     batches = [data(16) for _ in range(16)]
@@ -273,7 +274,7 @@ def test_resume_mid_window_is_bitwise(backend):
     def make():
         model = mlp(dtype=torch.bfloat16)
         opt = ak.AccumulatingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS), accum_steps=4,
-                                       master_weights=True, backend=backend)  # fmt: skip
+                                       backend=backend, **{precision: True})  # fmt: skip
         return model, opt
 
     bf16 = [(x.bfloat16(), y.bfloat16()) for x, y in batches]
@@ -440,3 +441,27 @@ def test_items_mode_needs_positive_num_items():
     mean_opt = ak.AccumulatingOptimizer(torch.optim.SGD(mlp().parameters(), lr=0.1))
     with pytest.raises(ValueError, match="num_items"):
         mean_opt.step(num_items=3)
+
+
+def test_stochastic_rounding_keeps_small_updates(backend):
+    """bf16 params whose every update is a tenth of a bf16 ulp: round to nearest
+    never moves them; stochastic rounding moves them by the right amount on average."""
+    n, windows, lr = 4096, 40, 1e-3
+    results = {}
+    for sr in (False, True):
+        w = nn.Parameter(torch.ones(n, dtype=torch.bfloat16))
+        opt = ak.AccumulatingOptimizer(torch.optim.SGD([w], lr=lr), accum_steps=2, stochastic_rounding=sr,
+                                       backend=backend)  # fmt: skip
+        for _ in range(windows * 2):
+            (w.float() * 0.5).sum().backward()  # gradient 0.5 per micro-step: mean 0.5, update 5e-4 = ulp / 16
+            opt.step()
+        results[sr] = w.detach().double().mean().item()
+    expected = 1.0 - windows * lr * 0.5
+    assert results[False] == 1.0, "round to nearest loses every update"
+    assert abs(results[True] - expected) < 0.1 * (1.0 - expected), (results, expected)
+
+
+def test_stochastic_rounding_excludes_master_weights():
+    with pytest.raises(ValueError, match="exclude"):
+        ak.AccumulatingOptimizer(torch.optim.SGD(mlp().parameters(), lr=0.1), master_weights=True,
+                                 stochastic_rounding=True)  # fmt: skip

@@ -241,3 +241,55 @@ def test_bf16_param_rounds_to_nearest_even(backend):
     buffers = [torch.tensor([half_ulp, 3 * half_ulp])]
     ak.sgd_step_and_zero_([p], buffers, lr=1.0, maximize=True, backend=backend)
     assert p.tolist() == [1.0, 1.0 + 4 * half_ulp]
+
+
+# ---- stochastic rounding of bf16 params ------------------------------------
+
+
+def test_stochastic_rounding_is_unbiased_and_deterministic(backend):
+    n = 200003
+    start = torch.randn(n).bfloat16()
+    update = torch.randn(n) * 1e-3  # mostly below half a bf16 ulp of the params
+    exact = start.double() - update.double()
+
+    def step(seed):
+        p = [start.clone()]
+        ak.sgd_step_and_zero_(p, [update.clone()], lr=1.0, stochastic_rounding=True, seed=seed, backend=backend)
+        return p[0]
+
+    a, b, other = step(11), step(11), step(12)
+    assert torch.equal(a, b), "the same seed gives the same bits"
+    assert not torch.equal(a, other), "another seed gives other bits"
+    # bf16 spacing near x is at most |x| * 2^-7.
+    ulp = (torch.maximum(start.double().abs(), exact.abs()) * 2.0**-7).clamp_min(1e-30)
+    assert ((a.double() - exact).abs() <= ulp * 2).all(), "each value is one of the two neighbours"
+    # Unbiased: the mean error is tiny against one ulp; round to nearest loses the updates.
+    bias = ((a.double() - exact) / ulp).mean().item()
+    assert abs(bias) < 0.01, bias
+    # Round to nearest keeps most params where they were: the mean update is lost.
+    nearest = [start.clone()]
+    ak.sgd_step_and_zero_(nearest, [update.clone()], lr=1.0, backend=backend)
+    moved = (a.double() - start.double()).sum().item()
+    assert abs(moved + update.double().sum().item()) < 0.01 * update.double().abs().sum().item()
+
+
+def test_stochastic_rounding_same_bits_in_every_backend(backend):
+    # lr = 1, no momentum: w = p - g rounds once in fp32 in every backend, so
+    # the stochastic result must agree bit for bit with the reference.
+    sizes = [1, 7, 65537, 1000]
+    params = [torch.randn(n).bfloat16() for n in sizes]
+    buffers = [torch.randn(n) * 1e-2 for n in sizes]
+    ours = [p.clone() for p in params]
+    ref = [p.clone() for p in params]
+    ak.sgd_step_and_zero_(ours, [b.clone() for b in buffers], lr=1.0, stochastic_rounding=True, seed=5, backend=backend)
+    ak.sgd_step_and_zero_(ref, [b.clone() for b in buffers], lr=1.0, stochastic_rounding=True, seed=5,
+                          backend="reference")  # fmt: skip
+    for a, b in zip(ours, ref):
+        assert torch.equal(a, b)
+
+
+def test_stochastic_rounding_excludes_master_weights(backend):
+    p = [torch.randn(4).bfloat16()]
+    with pytest.raises(ValueError, match="stochastic_rounding"):
+        ak.adamw_step_and_zero_(p, [torch.randn(4)], [torch.zeros(4)], [torch.zeros(4)], [torch.tensor(0.0)],
+                                stochastic_rounding=True, master_params=[p[0].float()], backend=backend)  # fmt: skip

@@ -64,10 +64,43 @@ def _weights(param, master):
     return master if master is not None else param.float()
 
 
-def _store_weights(param, master, new, skip) -> None:
+_M32 = 0xFFFFFFFF
+
+
+def _sr_random(seed: int, tensor: int, index: torch.Tensor) -> torch.Tensor:
+    """formulas.h's sr_random with int64 tensor ops kept to 32 bits."""
+    x = ((index & _M32) * 0x9E3779B1) & _M32
+    x = x ^ ((((index >> 32) & _M32) * 0x85EBCA77) & _M32)
+    x = x ^ (((seed & _M32) * 0xC2B2AE3D) & _M32)
+    x = x ^ (((tensor & _M32) * 0x27D4EB2F) & _M32)
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _M32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _M32
+    return x ^ (x >> 16)
+
+
+def _bf16_stochastic(w: torch.Tensor, seed: int, tensor: int) -> torch.Tensor:
+    """w (fp32) rounded to bf16 stochastically: 16 random bits added below the
+    bf16 mantissa, then truncated; inf and NaN round to nearest."""
+    flat = w.reshape(-1)
+    bits = flat.view(torch.int32).to(torch.int64) & _M32
+    random = _sr_random(seed, tensor, torch.arange(flat.numel(), device=w.device, dtype=torch.int64))
+    stochastic = (bits + (random & 0xFFFF)) >> 16
+    nearest = flat.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+    special = (bits & 0x7F800000) == 0x7F800000
+    out = torch.where(special, nearest, stochastic)
+    out = torch.where(out >= 0x8000, out - 0x10000, out)  # as signed 16-bit
+    return out.to(torch.int16).view(torch.bfloat16).reshape(w.shape)
+
+
+def _store_weights(param, master, new, skip, sr=None) -> None:
+    """sr: (seed, position in the list) to round bf16 params stochastically."""
     if master is not None:
         _commit(master, new, skip)
         _commit(param, master, None)
+    elif sr is not None and param.dtype == torch.bfloat16:
+        _commit(param, _bf16_stochastic(new.contiguous(), *sr), skip)
     else:
         _commit(param, new, skip)
 
@@ -94,6 +127,8 @@ def sgd_step_and_zero_(
     grad_scale_tensor,
     found_inf,
     zero_buffers,
+    stochastic_rounding=False,
+    seed=0,
 ):
     """torch.optim.SGD's update with g = grad_scale * buffer (negated for maximize)."""
     s = _effective_scale(grad_scale, grad_scale_tensor, negate=maximize)
@@ -109,7 +144,7 @@ def sgd_step_and_zero_(
             new_b = g if is_first_step else momentum * b + (1.0 - dampening) * g
             g = g + momentum * new_b if nesterov else new_b
             _commit(b, new_b, skip)
-        _store_weights(param, master, p - lr * g, skip)
+        _store_weights(param, master, p - lr * g, skip, (seed, i) if stochastic_rounding else None)
     _zero(buffers, zero_buffers)
 
 
@@ -133,6 +168,8 @@ def _adam(
     grad_scale_tensor,
     found_inf,
     zero_buffers,
+    stochastic_rounding=False,
+    seed=0,
 ):
     s = _effective_scale(grad_scale, grad_scale_tensor, negate=maximize)
     skip = _skip_flag(found_inf)
@@ -161,7 +198,7 @@ def _adam(
         _commit(m, new_m, skip)
         _commit(v, new_v, skip)
         _commit(step, new_step, skip)
-        _store_weights(param, master, new_p, skip)
+        _store_weights(param, master, new_p, skip, (seed, i) if stochastic_rounding else None)
     _zero(buffers, zero_buffers)
 
 

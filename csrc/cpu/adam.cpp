@@ -19,8 +19,10 @@ void adam_cpu(const char* op, bool adamw, at::TensorList params, at::TensorList 
               at::TensorList state_steps, at::TensorList master_params, double lr, double beta1,
               double beta2, double eps, double weight_decay, bool amsgrad, bool maximize,
               double grad_scale, const std::optional<at::Tensor>& grad_scale_tensor,
-              const std::optional<at::Tensor>& found_inf, bool zero_buffers) {
+              const std::optional<at::Tensor>& found_inf, bool zero_buffers,
+              bool stochastic_rounding, int64_t seed) {
   check_step_tensors(op, params, buffers, master_params);
+  check_stochastic_rounding(op, stochastic_rounding, master_params);
   for (size_t i = 0; i < params.size(); ++i) {
     TORCH_CHECK(params[i].device() == at::kCPU, op, ": params[", i, "] is on ",
                 params[i].device(), "; expected cpu");
@@ -68,7 +70,8 @@ void adam_cpu(const char* op, bool adamw, at::TensorList params, at::TensorList 
       k.adam({param_ptrs[t] + offset * p.element_size(), storage_dtype(p.scalar_type()),
               f32_at(master_ptrs, t, offset), f32_at(buffer_ptrs, t, offset),
               f32_at(exp_avg_ptrs, t, offset), f32_at(exp_avg_sq_ptrs, t, offset),
-              f32_at(max_ptrs, t, offset), length, s.grad_scale, per_tensor[t], zero_buffers},
+              f32_at(max_ptrs, t, offset), length, s.grad_scale, per_tensor[t], zero_buffers,
+              {stochastic_rounding, static_cast<uint32_t>(seed), static_cast<uint32_t>(t), offset}},
              h, flags);
     });
   });
@@ -80,10 +83,12 @@ void adam_step_and_zero_cpu(at::TensorList params, at::TensorList buffers,
                             at::TensorList master_params, double lr, double beta1, double beta2,
                             double eps, double weight_decay, bool amsgrad, bool maximize,
                             double grad_scale, const std::optional<at::Tensor>& grad_scale_tensor,
-                            const std::optional<at::Tensor>& found_inf, bool zero_buffers) {
+                            const std::optional<at::Tensor>& found_inf, bool zero_buffers,
+                            bool stochastic_rounding, int64_t seed) {
   adam_cpu("accumkernels::adam_step_and_zero_", false, params, buffers, exp_avgs, exp_avg_sqs,
            max_exp_avg_sqs, state_steps, master_params, lr, beta1, beta2, eps, weight_decay,
-           amsgrad, maximize, grad_scale, grad_scale_tensor, found_inf, zero_buffers);
+           amsgrad, maximize, grad_scale, grad_scale_tensor, found_inf, zero_buffers,
+           stochastic_rounding, seed);
 }
 
 void adamw_step_and_zero_cpu(at::TensorList params, at::TensorList buffers,
@@ -93,10 +98,12 @@ void adamw_step_and_zero_cpu(at::TensorList params, at::TensorList buffers,
                              double eps, double weight_decay, bool amsgrad, bool maximize,
                              double grad_scale,
                              const std::optional<at::Tensor>& grad_scale_tensor,
-                             const std::optional<at::Tensor>& found_inf, bool zero_buffers) {
+                             const std::optional<at::Tensor>& found_inf, bool zero_buffers,
+                             bool stochastic_rounding, int64_t seed) {
   adam_cpu("accumkernels::adamw_step_and_zero_", true, params, buffers, exp_avgs, exp_avg_sqs,
            max_exp_avg_sqs, state_steps, master_params, lr, beta1, beta2, eps, weight_decay,
-           amsgrad, maximize, grad_scale, grad_scale_tensor, found_inf, zero_buffers);
+           amsgrad, maximize, grad_scale, grad_scale_tensor, found_inf, zero_buffers,
+           stochastic_rounding, seed);
 }
 
 }  // namespace

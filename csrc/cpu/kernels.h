@@ -9,6 +9,15 @@
 
 namespace accumkernels::cpu {
 
+// Where the chunk's elements sit, for the random bits of stochastic rounding
+// (bf16 params without master weights only).
+struct StochasticRounding {
+  bool enabled;
+  uint32_t seed;
+  uint32_t tensor;  // position in the op's list
+  int64_t first;    // index of the chunk's first element in its tensor
+};
+
 struct AccumulateChunk {
   float* buffer;
   const void* grad;
@@ -27,6 +36,7 @@ struct SgdChunk {
   int64_t n;
   float grad_scale;  // negated for maximize
   bool zero_buffer;
+  StochasticRounding sr;
 };
 
 struct SgdFlags {
@@ -47,6 +57,7 @@ struct AdamChunk {
   float grad_scale;  // negated for maximize
   AdamStepScalars scalars;
   bool zero_buffer;
+  StochasticRounding sr;
 };
 
 struct AdamFlags {

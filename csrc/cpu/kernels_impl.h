@@ -83,23 +83,41 @@ bool accumulate_chunk(const AccumulateChunk& c) {
 }
 
 // Weights live in `master` (fp32) when given, else in `param`; the updated
-// weights are written to both.
-template <Dtype P, bool kMaster>
+// weights are written to both. kStochastic: bf16 params rounded stochastically.
+template <Dtype P, bool kMaster, bool kStochastic>
 struct Weights {
   using T = typename Storage<P>::type;
   T* __restrict param;
   float* __restrict master;
+  StochasticRounding sr;
   AK_HD float load(int64_t i) const { return kMaster ? master[i] : Storage<P>::load(param[i]); }
   AK_HD void store(int64_t i, float w) const {
     if (kMaster) master[i] = w;
-    param[i] = Storage<P>::store(w);
+    if constexpr (kStochastic) {
+      param[i] = float_to_bf16_stochastic(
+          w, sr_random(sr.seed, sr.tensor, static_cast<uint64_t>(sr.first + i)));
+    } else {
+      param[i] = Storage<P>::store(w);
+    }
   }
 };
 
-template <Dtype P, bool kMaster, Momentum kMomentum, bool kNesterov, bool kWeightDecay,
-          bool kZero>
+// Calls f(std::bool_constant<stochastic rounding>): only bf16 params without
+// master weights are ever rounded stochastically, so only they get that variant.
+template <Dtype P, bool kMaster, typename F>
+void with_stochastic(bool enabled, F&& f) {
+  if constexpr (P == Dtype::kBFloat16 && !kMaster) {
+    with_bool(enabled, f);
+  } else {
+    f(std::false_type{});
+  }
+}
+
+template <Dtype P, bool kMaster, bool kStochastic, Momentum kMomentum, bool kNesterov,
+          bool kWeightDecay, bool kZero>
 void sgd_loop(const SgdChunk& c, const SgdHyper& h) {
-  const Weights<P, kMaster> w{static_cast<typename Storage<P>::type*>(c.param), c.master};
+  const Weights<P, kMaster, kStochastic> w{static_cast<typename Storage<P>::type*>(c.param),
+                                           c.master, c.sr};
   float* __restrict buffer = c.buffer;
   float* __restrict momentum_buffer = c.momentum_buffer;
   const float grad_scale = c.grad_scale;
@@ -116,13 +134,15 @@ void sgd_loop(const SgdChunk& c, const SgdHyper& h) {
 void sgd_chunk(const SgdChunk& c, const SgdHyper& h, SgdFlags f) {
   with_dtype(c.param_dtype, [&](auto p) {
     with_bool(c.master != nullptr, [&](auto master) {
-      with_momentum(f.momentum, [&](auto momentum) {
-        with_bool(f.nesterov, [&](auto nesterov) {
-          with_bool(f.weight_decay, [&](auto wd) {
-            with_bool(c.zero_buffer, [&](auto zero) {
-              sgd_loop<decltype(p)::value, decltype(master)::value, decltype(momentum)::value,
-                       decltype(nesterov)::value, decltype(wd)::value, decltype(zero)::value>(c,
-                                                                                              h);
+      with_stochastic<decltype(p)::value, decltype(master)::value>(c.sr.enabled, [&](auto sr) {
+        with_momentum(f.momentum, [&](auto momentum) {
+          with_bool(f.nesterov, [&](auto nesterov) {
+            with_bool(f.weight_decay, [&](auto wd) {
+              with_bool(c.zero_buffer, [&](auto zero) {
+                sgd_loop<decltype(p)::value, decltype(master)::value, decltype(sr)::value,
+                         decltype(momentum)::value, decltype(nesterov)::value, decltype(wd)::value,
+                         decltype(zero)::value>(c, h);
+              });
             });
           });
         });
@@ -131,9 +151,11 @@ void sgd_chunk(const SgdChunk& c, const SgdHyper& h, SgdFlags f) {
   });
 }
 
-template <Dtype P, bool kMaster, bool kAdamW, bool kAmsgrad, bool kWeightDecay, bool kZero>
+template <Dtype P, bool kMaster, bool kStochastic, bool kAdamW, bool kAmsgrad, bool kWeightDecay,
+          bool kZero>
 void adam_loop(const AdamChunk& c, const AdamHyper& h) {
-  const Weights<P, kMaster> w{static_cast<typename Storage<P>::type*>(c.param), c.master};
+  const Weights<P, kMaster, kStochastic> w{static_cast<typename Storage<P>::type*>(c.param),
+                                           c.master, c.sr};
   float* __restrict buffer = c.buffer;
   float* __restrict exp_avg = c.exp_avg;
   float* __restrict exp_avg_sq = c.exp_avg_sq;
@@ -157,13 +179,15 @@ void adam_loop(const AdamChunk& c, const AdamHyper& h) {
 void adam_chunk(const AdamChunk& c, const AdamHyper& h, AdamFlags f) {
   with_dtype(c.param_dtype, [&](auto p) {
     with_bool(c.master != nullptr, [&](auto master) {
-      with_bool(f.adamw, [&](auto adamw) {
-        with_bool(f.amsgrad, [&](auto amsgrad) {
-          with_bool(f.weight_decay, [&](auto wd) {
-            with_bool(c.zero_buffer, [&](auto zero) {
-              adam_loop<decltype(p)::value, decltype(master)::value, decltype(adamw)::value,
-                        decltype(amsgrad)::value, decltype(wd)::value, decltype(zero)::value>(c,
-                                                                                              h);
+      with_stochastic<decltype(p)::value, decltype(master)::value>(c.sr.enabled, [&](auto sr) {
+        with_bool(f.adamw, [&](auto adamw) {
+          with_bool(f.amsgrad, [&](auto amsgrad) {
+            with_bool(f.weight_decay, [&](auto wd) {
+              with_bool(c.zero_buffer, [&](auto zero) {
+                adam_loop<decltype(p)::value, decltype(master)::value, decltype(sr)::value,
+                          decltype(adamw)::value, decltype(amsgrad)::value, decltype(wd)::value,
+                          decltype(zero)::value>(c, h);
+              });
             });
           });
         });

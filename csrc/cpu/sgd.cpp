@@ -18,8 +18,10 @@ void sgd_step_and_zero_cpu(at::TensorList params, at::TensorList buffers,
                            double lr, double momentum, double dampening, double weight_decay,
                            bool nesterov, bool maximize, bool is_first_step, double grad_scale,
                            const std::optional<at::Tensor>& grad_scale_tensor,
-                           const std::optional<at::Tensor>& found_inf, bool zero_buffers) {
+                           const std::optional<at::Tensor>& found_inf, bool zero_buffers,
+                           bool stochastic_rounding, int64_t seed) {
   check_step_tensors(kOp, params, buffers, master_params);
+  check_stochastic_rounding(kOp, stochastic_rounding, master_params);
   for (size_t i = 0; i < params.size(); ++i) {
     TORCH_CHECK(params[i].device() == at::kCPU, kOp, ": params[", i, "] is on ",
                 params[i].device(), "; expected cpu");
@@ -53,7 +55,8 @@ void sgd_step_and_zero_cpu(at::TensorList params, at::TensorList buffers,
       const at::Tensor& p = params[t];
       k.sgd({param_ptrs[t] + offset * p.element_size(), storage_dtype(p.scalar_type()),
              f32_at(master_ptrs, t, offset), f32_at(buffer_ptrs, t, offset),
-             f32_at(momentum_ptrs, t, offset), length, s.grad_scale, zero_buffers},
+             f32_at(momentum_ptrs, t, offset), length, s.grad_scale, zero_buffers,
+             {stochastic_rounding, static_cast<uint32_t>(seed), static_cast<uint32_t>(t), offset}},
             h, flags);
     });
   });

@@ -51,10 +51,10 @@ template <Dtype G>
 void launch_for_dtype(const std::vector<std::vector<void*>>& lists, const std::vector<int64_t>& numels,
                       bool overwrite, float scale, const float* scale_tensor, float* found_inf) {
   if (overwrite) {
-    multi_tensor_apply<2>(lists, numels, AccumulateFunctor<G, true>{}, scale, scale_tensor,
+    multi_tensor_apply<2>(lists, numels, {}, AccumulateFunctor<G, true>{}, scale, scale_tensor,
                           found_inf);
   } else {
-    multi_tensor_apply<2>(lists, numels, AccumulateFunctor<G, false>{}, scale, scale_tensor,
+    multi_tensor_apply<2>(lists, numels, {}, AccumulateFunctor<G, false>{}, scale, scale_tensor,
                           found_inf);
   }
 }

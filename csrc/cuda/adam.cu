@@ -26,19 +26,20 @@ struct IncrementStep {
   }
 };
 
-template <Dtype P, bool kMaster, bool kAdamW, bool kAmsgrad, bool kWeightDecay>
+template <Dtype P, bool kMaster, bool kStochastic, bool kAdamW, bool kAmsgrad, bool kWeightDecay>
 struct AdamFunctor {
   __device__ void operator()(const Meta<kLists>& meta, int t, int64_t start, int64_t n, int,
-                             AdamHyper h, DeviceScalars ds) {
+                             AdamHyper h, DeviceScalars ds, uint32_t seed) {
     using T = typename Storage<P>::type;
     float* buffer = static_cast<float*>(meta.addresses[2][t]) + start;
     if (ds.skip()) {
       if (ds.zero_buffers) zero_chunk(buffer, n);
       return;
     }
-    const WeightsAt<P, kMaster> w{static_cast<T*>(meta.addresses[0][t]) + start,
-                                  kMaster ? static_cast<float*>(meta.addresses[1][t]) + start
-                                          : nullptr};
+    const WeightsAt<P, kMaster, kStochastic> w{
+        static_cast<T*>(meta.addresses[0][t]) + start,
+        kMaster ? static_cast<float*>(meta.addresses[1][t]) + start : nullptr, seed,
+        static_cast<uint32_t>(meta.index[t]), start};
     float* exp_avg = static_cast<float*>(meta.addresses[3][t]) + start;
     float* exp_avg_sq = static_cast<float*>(meta.addresses[4][t]) + start;
     float* max_sq = kAmsgrad ? static_cast<float*>(meta.addresses[5][t]) + start : nullptr;
@@ -89,8 +90,10 @@ void adam_cuda(const char* op, bool adamw, at::TensorList params, at::TensorList
                at::TensorList master_params, double lr, double beta1, double beta2, double eps,
                double weight_decay, bool amsgrad, bool maximize, double grad_scale,
                const std::optional<at::Tensor>& grad_scale_tensor,
-               const std::optional<at::Tensor>& found_inf, bool zero_buffers) {
+               const std::optional<at::Tensor>& found_inf, bool zero_buffers,
+               bool stochastic_rounding, int64_t seed) {
   check_step_tensors(op, params, buffers, master_params);
+  check_stochastic_rounding(op, stochastic_rounding, master_params);
   check_state(op, exp_avgs, "exp_avgs", params);
   check_state(op, exp_avg_sqs, "exp_avg_sqs", params);
   if (amsgrad) {
@@ -114,7 +117,7 @@ void adam_cuda(const char* op, bool adamw, at::TensorList params, at::TensorList
   {
     std::vector<std::vector<void*>> steps(1);
     for (const auto& s : state_steps) steps[0].push_back(s.data_ptr());
-    multi_tensor_apply<1>(steps, std::vector<int64_t>(state_steps.size(), 1),
+    multi_tensor_apply<1>(steps, std::vector<int64_t>(state_steps.size(), 1), {},
                           IncrementStep{}, found);
   }
   const AdamHyper h = make_adam_hyper(lr, beta1, beta2, eps, weight_decay);
@@ -125,8 +128,10 @@ void adam_cuda(const char* op, bool adamw, at::TensorList params, at::TensorList
   for (const Dtype d : {Dtype::kFloat32, Dtype::kBFloat16, Dtype::kFloat16}) {
     std::vector<std::vector<void*>> lists(kLists);
     std::vector<int64_t> numels;
+    std::vector<int> indices;
     for (size_t i = 0; i < params.size(); ++i) {
       if (storage_dtype(params[i].scalar_type()) != d) continue;
+      indices.push_back(static_cast<int>(i));
       lists[0].push_back(params[i].data_ptr());
       lists[1].push_back(ptr_or_null(master_params, i));
       lists[2].push_back(buffers[i].data_ptr());
@@ -139,15 +144,17 @@ void adam_cuda(const char* op, bool adamw, at::TensorList params, at::TensorList
     if (numels.empty()) continue;
     with_dtype(d, [&](auto p) {
       with_bool(!master_params.empty(), [&](auto master) {
-        with_bool(adamw, [&](auto is_adamw) {
-          with_bool(amsgrad, [&](auto is_amsgrad) {
-            with_bool(weight_decay != 0.0, [&](auto wd) {
-              multi_tensor_apply<kLists>(
-                  lists, numels,
-                  AdamFunctor<decltype(p)::value, decltype(master)::value,
-                              decltype(is_adamw)::value, decltype(is_amsgrad)::value,
-                              decltype(wd)::value>{},
-                  h, ds);
+        with_stochastic<decltype(p)::value, decltype(master)::value>(stochastic_rounding, [&](auto sr) {
+          with_bool(adamw, [&](auto is_adamw) {
+            with_bool(amsgrad, [&](auto is_amsgrad) {
+              with_bool(weight_decay != 0.0, [&](auto wd) {
+                multi_tensor_apply<kLists>(
+                    lists, numels, indices,
+                    AdamFunctor<decltype(p)::value, decltype(master)::value, decltype(sr)::value,
+                                decltype(is_adamw)::value, decltype(is_amsgrad)::value,
+                                decltype(wd)::value>{},
+                    h, ds, static_cast<uint32_t>(seed));
+              });
             });
           });
         });
@@ -163,10 +170,12 @@ void adam_step_and_zero_cuda(at::TensorList params, at::TensorList buffers,
                              double eps, double weight_decay, bool amsgrad, bool maximize,
                              double grad_scale,
                              const std::optional<at::Tensor>& grad_scale_tensor,
-                             const std::optional<at::Tensor>& found_inf, bool zero_buffers) {
+                             const std::optional<at::Tensor>& found_inf, bool zero_buffers,
+                              bool stochastic_rounding, int64_t seed) {
   adam_cuda("accumkernels::adam_step_and_zero_", false, params, buffers, exp_avgs, exp_avg_sqs,
             max_exp_avg_sqs, state_steps, master_params, lr, beta1, beta2, eps, weight_decay,
-            amsgrad, maximize, grad_scale, grad_scale_tensor, found_inf, zero_buffers);
+            amsgrad, maximize, grad_scale, grad_scale_tensor, found_inf, zero_buffers,
+            stochastic_rounding, seed);
 }
 
 void adamw_step_and_zero_cuda(at::TensorList params, at::TensorList buffers,
@@ -176,10 +185,12 @@ void adamw_step_and_zero_cuda(at::TensorList params, at::TensorList buffers,
                               double beta2, double eps, double weight_decay, bool amsgrad,
                               bool maximize, double grad_scale,
                               const std::optional<at::Tensor>& grad_scale_tensor,
-                              const std::optional<at::Tensor>& found_inf, bool zero_buffers) {
+                              const std::optional<at::Tensor>& found_inf, bool zero_buffers,
+                              bool stochastic_rounding, int64_t seed) {
   adam_cuda("accumkernels::adamw_step_and_zero_", true, params, buffers, exp_avgs, exp_avg_sqs,
             max_exp_avg_sqs, state_steps, master_params, lr, beta1, beta2, eps, weight_decay,
-            amsgrad, maximize, grad_scale, grad_scale_tensor, found_inf, zero_buffers);
+            amsgrad, maximize, grad_scale, grad_scale_tensor, found_inf, zero_buffers,
+            stochastic_rounding, seed);
 }
 
 }  // namespace

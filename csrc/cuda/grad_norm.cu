@@ -75,7 +75,7 @@ at::Tensor grad_norm_cuda(at::TensorList buffers) {
   if (chunks == 0) return at::zeros({}, buffers[0].options());
   at::Tensor partials = at::empty({chunks}, buffers[0].options().dtype(at::kDouble));
   at::Tensor out = at::empty({}, buffers[0].options());
-  multi_tensor_apply<1>(lists, numels, SumSquaresFunctor{}, partials.data_ptr<double>());
+  multi_tensor_apply<1>(lists, numels, {}, SumSquaresFunctor{}, partials.data_ptr<double>());
   finish_norm<<<1, kBlock, 0, c10::cuda::getCurrentCUDAStream()>>>(partials.data_ptr<double>(),
                                                                    chunks, out.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();

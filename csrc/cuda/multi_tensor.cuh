@@ -27,9 +27,10 @@ constexpr int kArgBudget = 4000;  // bytes of kernel arguments (the portable 4 K
 
 template <int D>
 struct Meta {
-  static constexpr int kMaxTensors = (kArgBudget - kMaxBlocks * (1 + 4) - 16) / (D * 8 + 8);
+  static constexpr int kMaxTensors = (kArgBudget - kMaxBlocks * (1 + 4) - 16) / (D * 8 + 8 + 4);
   void* addresses[D][kMaxTensors];
   int64_t numel[kMaxTensors];
+  int index[kMaxTensors];  // the tensor's position in the op's list (stochastic rounding)
   unsigned char block_to_tensor[kMaxBlocks];
   int block_to_chunk[kMaxBlocks];
   int first_global_chunk;  // global index of this launch's first chunk (grad_norm partials)
@@ -46,10 +47,12 @@ __global__ void __launch_bounds__(kBlock) multi_tensor_kernel(const Meta<D> meta
 }
 
 // Launches `functor` over every chunk of the D lists (all lists have equal
-// numels per index). Returns the number of chunks.
+// numels per index; `indices` gives each tensor's position in the op's list,
+// empty meaning 0, 1, 2, ...). Returns the number of chunks.
 template <int D, typename Functor, typename... Args>
 int64_t multi_tensor_apply(const std::vector<std::vector<void*>>& lists,
-                           const std::vector<int64_t>& numels, Functor functor, Args... args) {
+                           const std::vector<int64_t>& numels, const std::vector<int>& indices,
+                           Functor functor, Args... args) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   Meta<D> meta{};
   int slot = 0;          // the slot of the current tensor in this launch
@@ -66,6 +69,7 @@ int64_t multi_tensor_apply(const std::vector<std::vector<void*>>& lists,
     if (n == 0) continue;
     for (int d = 0; d < D; ++d) meta.addresses[d][slot] = lists[d][t];
     meta.numel[slot] = n;
+    meta.index[slot] = indices.empty() ? static_cast<int>(t) : indices[t];
     const int64_t chunks = (n + kChunk - 1) / kChunk;
     for (int64_t c = 0; c < chunks; ++c) {
       meta.block_to_tensor[blocks] = static_cast<unsigned char>(slot);
@@ -80,6 +84,7 @@ int64_t multi_tensor_apply(const std::vector<std::vector<void*>>& lists,
         } else {      // the tensor goes on in the next launch, from slot 0
           for (int d = 0; d < D; ++d) meta.addresses[d][0] = meta.addresses[d][slot];
           meta.numel[0] = meta.numel[slot];
+          meta.index[0] = meta.index[slot];
           slot = 0;
         }
       }

@@ -16,10 +16,11 @@ constexpr const char* kOp = "accumkernels::sgd_step_and_zero_";
 // Lists: 0 param, 1 master, 2 buffer, 3 momentum buffer.
 constexpr int kLists = 4;
 
-template <Dtype P, bool kMaster, Momentum kMomentum, bool kNesterov, bool kWeightDecay>
+template <Dtype P, bool kMaster, bool kStochastic, Momentum kMomentum, bool kNesterov,
+          bool kWeightDecay>
 struct SgdFunctor {
   __device__ void operator()(const Meta<kLists>& meta, int t, int64_t start, int64_t n, int,
-                             SgdHyper h, DeviceScalars ds) {
+                             SgdHyper h, DeviceScalars ds, uint32_t seed) {
     using T = typename Storage<P>::type;
     constexpr bool kHasMomentum = kMomentum != Momentum::kNone;
     float* buffer = static_cast<float*>(meta.addresses[2][t]) + start;
@@ -27,9 +28,10 @@ struct SgdFunctor {
       if (ds.zero_buffers) zero_chunk(buffer, n);
       return;
     }
-    const WeightsAt<P, kMaster> w{static_cast<T*>(meta.addresses[0][t]) + start,
-                                  kMaster ? static_cast<float*>(meta.addresses[1][t]) + start
-                                          : nullptr};
+    const WeightsAt<P, kMaster, kStochastic> w{
+        static_cast<T*>(meta.addresses[0][t]) + start,
+        kMaster ? static_cast<float*>(meta.addresses[1][t]) + start : nullptr, seed,
+        static_cast<uint32_t>(meta.index[t]), start};
     float* mom = kHasMomentum ? static_cast<float*>(meta.addresses[3][t]) + start : nullptr;
     const float gs = ds.scale();
     const bool vector_ok =
@@ -81,8 +83,10 @@ void sgd_step_and_zero_cuda(at::TensorList params, at::TensorList buffers,
                             double lr, double momentum, double dampening, double weight_decay,
                             bool nesterov, bool maximize, bool is_first_step, double grad_scale,
                             const std::optional<at::Tensor>& grad_scale_tensor,
-                            const std::optional<at::Tensor>& found_inf, bool zero_buffers) {
+                            const std::optional<at::Tensor>& found_inf, bool zero_buffers,
+                            bool stochastic_rounding, int64_t seed) {
   check_step_tensors(kOp, params, buffers, master_params);
+  check_stochastic_rounding(kOp, stochastic_rounding, master_params);
   if (momentum != 0.0) {
     check_state(kOp, momentum_buffers, "momentum_buffers", params);
   } else {
@@ -106,8 +110,10 @@ void sgd_step_and_zero_cuda(at::TensorList params, at::TensorList buffers,
   for (const Dtype d : {Dtype::kFloat32, Dtype::kBFloat16, Dtype::kFloat16}) {
     std::vector<std::vector<void*>> lists(kLists);
     std::vector<int64_t> numels;
+    std::vector<int> indices;
     for (size_t i = 0; i < params.size(); ++i) {
       if (storage_dtype(params[i].scalar_type()) != d) continue;
+      indices.push_back(static_cast<int>(i));
       lists[0].push_back(params[i].data_ptr());
       lists[1].push_back(ptr_or_null(master_params, i));
       lists[2].push_back(buffers[i].data_ptr());
@@ -117,14 +123,16 @@ void sgd_step_and_zero_cuda(at::TensorList params, at::TensorList buffers,
     if (numels.empty()) continue;
     with_dtype(d, [&](auto p) {
       with_bool(!master_params.empty(), [&](auto master) {
-        with_momentum(mode, [&](auto mom) {
-          with_bool(nesterov, [&](auto nest) {
-            with_bool(weight_decay != 0.0, [&](auto wd) {
-              multi_tensor_apply<kLists>(
-                  lists, numels,
-                  SgdFunctor<decltype(p)::value, decltype(master)::value, decltype(mom)::value,
-                             decltype(nest)::value, decltype(wd)::value>{},
-                  h, ds);
+        with_stochastic<decltype(p)::value, decltype(master)::value>(stochastic_rounding, [&](auto sr) {
+          with_momentum(mode, [&](auto mom) {
+            with_bool(nesterov, [&](auto nest) {
+              with_bool(weight_decay != 0.0, [&](auto wd) {
+                multi_tensor_apply<kLists>(
+                    lists, numels, indices,
+                    SgdFunctor<decltype(p)::value, decltype(master)::value, decltype(sr)::value,
+                               decltype(mom)::value, decltype(nest)::value, decltype(wd)::value>{},
+                    h, ds, static_cast<uint32_t>(seed));
+              });
             });
           });
         });

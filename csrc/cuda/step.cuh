@@ -8,22 +8,33 @@
 namespace accumkernels::cuda {
 
 // Weights live in `master` (fp32) when kMaster, else in `param`; updated
-// weights are written to both.
-template <Dtype P, bool kMaster>
+// weights are written to both. kStochastic: bf16 params rounded stochastically
+// with the random bits of element `first + i` of tensor `tensor`.
+template <Dtype P, bool kMaster, bool kStochastic = false>
 struct WeightsAt {
   using T = typename Storage<P>::type;
   T* param;
   float* master;
+  uint32_t seed;
+  uint32_t tensor;
+  int64_t first;
 
   __device__ __forceinline__ bool aligned_for_packs() const {
     return aligned<T>(param) && (!kMaster || aligned<float>(master));
+  }
+  __device__ __forceinline__ T round(int64_t i, float w) const {
+    if constexpr (kStochastic) {
+      return float_to_bf16_stochastic(w, sr_random(seed, tensor, static_cast<uint64_t>(first + i)));
+    } else {
+      return Storage<P>::store(w);
+    }
   }
   __device__ __forceinline__ float load(int64_t i) const {
     return kMaster ? master[i] : Storage<P>::load(param[i]);
   }
   __device__ __forceinline__ void store(int64_t i, float w) const {
     if (kMaster) master[i] = w;
-    param[i] = Storage<P>::store(w);
+    param[i] = round(i, w);
   }
   __device__ __forceinline__ void load_pack(float (&w)[kILP], int64_t i) const {
     if (kMaster) {
@@ -39,10 +50,15 @@ struct WeightsAt {
     if (kMaster) cuda::store_pack(master, i, w);
     T p[kILP];
 #pragma unroll
-    for (int k = 0; k < kILP; ++k) p[k] = Storage<P>::store(w[k]);
+    for (int k = 0; k < kILP; ++k) p[k] = round(i + k, w[k]);
     cuda::store_pack(param, i, p);
   }
 };
+
+// Calls f(std::bool_constant<stochastic rounding>): only bf16 params without
+// master weights are ever rounded stochastically.
+template <Dtype P, bool kMaster, typename F>
+void with_stochastic(bool enabled, F&& f);
 
 // grad_scale * grad_scale_tensor, negated for maximize; read on the device.
 struct DeviceScalars {
@@ -85,6 +101,15 @@ void with_dtype(Dtype d, F&& f) {
     case Dtype::kFloat16:
       f(std::integral_constant<Dtype, Dtype::kFloat16>{});
       break;
+  }
+}
+
+template <Dtype P, bool kMaster, typename F>
+void with_stochastic(bool enabled, F&& f) {
+  if constexpr (P == Dtype::kBFloat16 && !kMaster) {
+    with_bool(enabled, f);
+  } else {
+    f(std::false_type{});
   }
 }
 

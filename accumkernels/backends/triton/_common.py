@@ -3,7 +3,7 @@
 Multi-tensor launches use one int64 "meta" tensor on the device, built on the
 host and copied in one asynchronous transfer:
 
-    [ pointers of list 0 (T) | ... | list L-1 (T) | numels (T) |
+    [ pointers of list 0 (T) | ... | list L-1 (T) | numels (T) | list positions (T) |
       chunk -> tensor (C) | chunk -> first element (C) | extra int64/fp64 bits ]
 
 One program handles one chunk of CHUNK elements of one tensor (in BLOCK-wide
@@ -30,9 +30,10 @@ TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float
 
 
 def build_meta(lists: list[list[torch.Tensor | None]], numels: list[int], device: torch.device,
-               extra: list[int] | None = None) -> tuple[torch.Tensor, int, int]:
+               extra: list[int] | None = None, positions: list[int] | None = None) -> tuple[torch.Tensor, int, int]:
     """The meta tensor for L lists of T tensors (None entries become null
-    pointers); returns (meta, T, C)."""
+    pointers; ``positions``: each tensor's place in the op's list, default
+    0..T-1); returns (meta, T, C)."""
     count = len(numels)
     sizes = torch.tensor(numels, dtype=torch.int64)
     chunks_per_tensor = (sizes + CHUNK - 1) // CHUNK
@@ -41,7 +42,8 @@ def build_meta(lists: list[list[torch.Tensor | None]], numels: list[int], device
     chunk_count = int(chunk_tensor.numel())
     chunk_start = (torch.arange(chunk_count, dtype=torch.int64) - first_chunk[chunk_tensor]) * CHUNK
     pointers = torch.tensor([[0 if t is None else t.data_ptr() for t in lst] for lst in lists], dtype=torch.int64)
-    parts = [pointers.reshape(-1), sizes, chunk_tensor, chunk_start]
+    places = torch.tensor(positions if positions is not None else range(count), dtype=torch.int64)
+    parts = [pointers.reshape(-1), sizes, places, chunk_tensor, chunk_start]
     if extra:
         parts.append(torch.tensor(extra, dtype=torch.int64))
     meta = torch.cat(parts)
@@ -59,10 +61,50 @@ def f64_bits(*values: float) -> list[int]:
 def chunk_of(meta, list_count: tl.constexpr, T, C):
     """(tensor index, first element, numel) of this program's chunk."""
     c = tl.program_id(0).to(tl.int64)
-    t = tl.load(meta + list_count * T + T + c)
-    start = tl.load(meta + list_count * T + T + C + c)
+    t = tl.load(meta + list_count * T + 2 * T + c)
+    start = tl.load(meta + list_count * T + 2 * T + C + c)
     n = tl.load(meta + list_count * T + t)
     return t, start, n
+
+
+@triton.jit
+def position(meta, list_count: tl.constexpr, T, t):
+    """Tensor t's place in the op's list."""
+    return tl.load(meta + list_count * T + T + t)
+
+
+@triton.jit
+def extra_at(meta, list_count: tl.constexpr, T, C):
+    """Address of the meta tensor's extra part."""
+    return meta + list_count * T + 2 * T + 2 * C
+
+
+@triton.jit
+def sr_random(seed, tensor, index):
+    """The random bits of stochastic rounding, as formulas.h's sr_random: int64
+    arithmetic kept to 32 bits (the low 32 bits of a product do not depend on
+    the high bits, so wrapping is harmless)."""
+    m = 0xFFFFFFFF
+    x = ((index & m) * 0x9E3779B1) & m
+    x = x ^ ((((index >> 32) & m) * 0x85EBCA77) & m)
+    x = x ^ (((seed & m) * 0xC2B2AE3D) & m)
+    x = x ^ (((tensor & m) * 0x27D4EB2F) & m)
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & m
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & m
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def to_bf16_stochastic(x, random):
+    """fp32 -> bf16 adding 16 random bits below the mantissa, then truncating
+    (inf and NaN round to nearest), as formulas.h's float_to_bf16_stochastic."""
+    bits = x.to(tl.uint32, bitcast=True).to(tl.int64)
+    stochastic = (bits + (random & 0xFFFF)) >> 16
+    special = (bits & 0x7F800000) == 0x7F800000
+    nearest = to_storage(x, tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.int64)
+    return tl.where(special, nearest, stochastic).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit

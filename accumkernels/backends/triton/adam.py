@@ -37,7 +37,8 @@ def _pow_int(base, exponent):
 
 @triton.jit
 def _adam_kernel(meta, T, C, eps, weight_decay, one_minus_beta1, one_minus_beta2, beta2_f, adamw_decay,
-                 grad_scale, grad_scale_ptr, found_inf_ptr, PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr,
+                 grad_scale, grad_scale_ptr, found_inf_ptr, seed, PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr,
+                 STOCHASTIC: tl.constexpr,
                  ADAMW: tl.constexpr, AMSGRAD: tl.constexpr, WEIGHT_DECAY: tl.constexpr,
                  HAS_GRAD_SCALE_TENSOR: tl.constexpr, HAS_FOUND_INF: tl.constexpr, ZERO_BUFFERS: tl.constexpr,
                  CHUNK: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
@@ -49,7 +50,7 @@ def _adam_kernel(meta, T, C, eps, weight_decay, one_minus_beta1, one_minus_beta2
     exp_avg_sq = c.pointer(meta, 4, T, t, tl.float32)
     max_sq = c.pointer(meta, 5, T, t, tl.float32)
     step = tl.load(c.pointer(meta, 6, T, t, tl.float32))
-    extra = meta + LISTS * T + T + 2 * C  # fp64 bits: lr, beta1, beta2
+    extra = c.extra_at(meta, LISTS, T, C)  # fp64 bits: lr, beta1, beta2
     lr = tl.load(extra).to(tl.float64, bitcast=True)
     beta1 = tl.load(extra + 1).to(tl.float64, bitcast=True)
     beta2 = tl.load(extra + 2).to(tl.float64, bitcast=True)
@@ -92,13 +93,18 @@ def _adam_kernel(meta, T, C, eps, weight_decay, one_minus_beta1, one_minus_beta2
         tl.store(exp_avg_sq + offs, v, mask=update)
         if HAS_MASTER:
             tl.store(master + offs, w, mask=update)
-        tl.store(param + offs, c.to_storage(w, PARAM_DTYPE), mask=update)
+        if STOCHASTIC:
+            random = c.sr_random(seed, c.position(meta, LISTS, T, t), offs)
+            tl.store(param + offs, c.to_bf16_stochastic(w, random), mask=update)
+        else:
+            tl.store(param + offs, c.to_storage(w, PARAM_DTYPE), mask=update)
         if ZERO_BUFFERS:
             tl.store(buffer + offs, tl.zeros((BLOCK,), dtype=tl.float32), mask=mask)
 
 
 def _adam(adamw, params, buffers, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, lr, beta1,
-          beta2, eps, weight_decay, amsgrad, maximize, grad_scale, grad_scale_tensor, found_inf, zero_buffers):  # fmt: skip
+          beta2, eps, weight_decay, amsgrad, maximize, grad_scale, grad_scale_tensor, found_inf, zero_buffers,
+          stochastic_rounding, seed):  # fmt: skip
     if not params:
         return
     device = params[0].device
@@ -114,11 +120,12 @@ def _adam(adamw, params, buffers, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_
         lists = [pick(params), pick(master_params), pick(buffers), pick(exp_avgs), pick(exp_avg_sqs),
                  pick(max_exp_avg_sqs), pick(state_steps)]  # fmt: skip
         meta, count, chunks = c.build_meta(lists, [params[i].numel() for i in index], device,
-                                           extra=c.f64_bits(lr, beta1, beta2))  # fmt: skip
+                                           extra=c.f64_bits(lr, beta1, beta2), positions=index)  # fmt: skip
         _adam_kernel[(chunks,)](
             meta, count, chunks, eps, weight_decay, 1.0 - beta1, 1.0 - beta2, beta2, 1.0 - lr * weight_decay,
-            -grad_scale if maximize else grad_scale, grad_scale_tensor, found_inf, PARAM_DTYPE=c.TL_DTYPES[dtype],
-            HAS_MASTER=bool(master_params), ADAMW=adamw, AMSGRAD=amsgrad, WEIGHT_DECAY=weight_decay != 0,
+            -grad_scale if maximize else grad_scale, grad_scale_tensor, found_inf, seed,
+            PARAM_DTYPE=c.TL_DTYPES[dtype], HAS_MASTER=bool(master_params),
+            STOCHASTIC=stochastic_rounding and dtype == torch.bfloat16, ADAMW=adamw, AMSGRAD=amsgrad, WEIGHT_DECAY=weight_decay != 0,
             HAS_GRAD_SCALE_TENSOR=grad_scale_tensor is not None, HAS_FOUND_INF=found_inf is not None,
             ZERO_BUFFERS=zero_buffers, CHUNK=c.CHUNK, BLOCK=c.BLOCK, num_warps=c.NUM_WARPS,
         )  # fmt: skip
@@ -132,10 +139,11 @@ def _define(name, adamw):
            exp_avg_sqs: list[torch.Tensor], max_exp_avg_sqs: list[torch.Tensor], state_steps: list[torch.Tensor],
            master_params: list[torch.Tensor], lr: float, beta1: float, beta2: float, eps: float,
            weight_decay: float, amsgrad: bool, maximize: bool, grad_scale: float,
-           grad_scale_tensor: torch.Tensor | None, found_inf: torch.Tensor | None, zero_buffers: bool) -> None:  # fmt: skip
+           grad_scale_tensor: torch.Tensor | None, found_inf: torch.Tensor | None, zero_buffers: bool,
+           stochastic_rounding: bool = False, seed: int = 0) -> None:  # fmt: skip
         _adam(adamw, params, buffers, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, lr,
               beta1, beta2, eps, weight_decay, amsgrad, maximize, grad_scale, grad_scale_tensor, found_inf,
-              zero_buffers)  # fmt: skip
+              zero_buffers, stochastic_rounding, seed)  # fmt: skip
 
     op.__name__ = name
     custom = torch.library.custom_op(f"accumkernels_triton::{name}", op, mutates_args=_MUTATES)

@@ -16,7 +16,8 @@ NO_MOMENTUM, FIRST_STEP, RUNNING = 0, 1, 2
 
 @triton.jit
 def _sgd_kernel(meta, T, C, lr, momentum, one_minus_dampening, weight_decay, grad_scale, grad_scale_ptr,
-                found_inf_ptr, PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, MOMENTUM: tl.constexpr,
+                found_inf_ptr, seed, PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, STOCHASTIC: tl.constexpr,
+                MOMENTUM: tl.constexpr,
                 NESTEROV: tl.constexpr, WEIGHT_DECAY: tl.constexpr, HAS_GRAD_SCALE_TENSOR: tl.constexpr,
                 HAS_FOUND_INF: tl.constexpr, ZERO_BUFFERS: tl.constexpr, CHUNK: tl.constexpr,
                 BLOCK: tl.constexpr):  # fmt: skip
@@ -56,7 +57,11 @@ def _sgd_kernel(meta, T, C, lr, momentum, one_minus_dampening, weight_decay, gra
         w = w - lr * g
         if HAS_MASTER:
             tl.store(master + offs, w, mask=update)
-        tl.store(param + offs, c.to_storage(w, PARAM_DTYPE), mask=update)
+        if STOCHASTIC:
+            random = c.sr_random(seed, c.position(meta, LISTS, T, t), offs)
+            tl.store(param + offs, c.to_bf16_stochastic(w, random), mask=update)
+        else:
+            tl.store(param + offs, c.to_storage(w, PARAM_DTYPE), mask=update)
         if ZERO_BUFFERS:
             tl.store(buffer + offs, tl.zeros((BLOCK,), dtype=tl.float32), mask=mask)
 
@@ -67,7 +72,7 @@ def sgd_step_and_zero_(params: list[torch.Tensor], buffers: list[torch.Tensor], 
                        master_params: list[torch.Tensor], lr: float, momentum: float, dampening: float,
                        weight_decay: float, nesterov: bool, maximize: bool, is_first_step: bool, grad_scale: float,
                        grad_scale_tensor: torch.Tensor | None, found_inf: torch.Tensor | None,
-                       zero_buffers: bool) -> None:  # fmt: skip
+                       zero_buffers: bool, stochastic_rounding: bool = False, seed: int = 0) -> None:  # fmt: skip
     """torch.optim.SGD's update with g = grad_scale * buffer, then buffer = 0."""
     mode = NO_MOMENTUM if momentum == 0 else (FIRST_STEP if is_first_step else RUNNING)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -76,10 +81,12 @@ def sgd_step_and_zero_(params: list[torch.Tensor], buffers: list[torch.Tensor], 
             continue
         pick = lambda lst: [lst[i] for i in index] if lst else [None] * len(index)  # noqa: E731
         meta, count, chunks = c.build_meta([pick(params), pick(master_params), pick(buffers), pick(momentum_buffers)],
-                                           [params[i].numel() for i in index], params[0].device)  # fmt: skip
+                                           [params[i].numel() for i in index], params[0].device,
+                                           positions=index)  # fmt: skip
         _sgd_kernel[(chunks,)](
             meta, count, chunks, lr, momentum, 1.0 - dampening, weight_decay, -grad_scale if maximize else grad_scale,
-            grad_scale_tensor, found_inf, PARAM_DTYPE=c.TL_DTYPES[dtype], HAS_MASTER=bool(master_params),
+            grad_scale_tensor, found_inf, seed, PARAM_DTYPE=c.TL_DTYPES[dtype], HAS_MASTER=bool(master_params),
+            STOCHASTIC=stochastic_rounding and dtype == torch.bfloat16,
             MOMENTUM=mode, NESTEROV=nesterov, WEIGHT_DECAY=weight_decay != 0,
             HAS_GRAD_SCALE_TENSOR=grad_scale_tensor is not None, HAS_FOUND_INF=found_inf is not None,
             ZERO_BUFFERS=zero_buffers, CHUNK=c.CHUNK, BLOCK=c.BLOCK, num_warps=c.NUM_WARPS,

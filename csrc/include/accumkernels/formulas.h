@@ -93,6 +93,30 @@ AK_HD uint16_t float_to_fp16(float x) {
   return static_cast<uint16_t>((sign >> 16) | (nan_mask & 0x7E00u) | (~nan_mask & nonsign));
 }
 
+// Stochastic rounding to bf16: add 16 random bits below the bf16 mantissa,
+// then truncate, so E[result] = x. inf and NaN round to nearest as usual.
+// The random bits come from sr_random(seed, tensor, index): a murmur3-style
+// hash of the seed, the tensor's position in the op's list and the element's
+// index in that tensor, the same in every backend.
+AK_HD uint32_t sr_random(uint32_t seed, uint32_t tensor, uint64_t index) {
+  uint32_t x = (static_cast<uint32_t>(index) * 0x9E3779B1u) ^
+               (static_cast<uint32_t>(index >> 32) * 0x85EBCA77u) ^ (seed * 0xC2B2AE3Du) ^
+               (tensor * 0x27D4EB2Fu);
+  x ^= x >> 16;
+  x *= 0x85EBCA6Bu;
+  x ^= x >> 13;
+  x *= 0xC2B2AE35u;
+  x ^= x >> 16;
+  return x;
+}
+
+AK_HD uint16_t float_to_bf16_stochastic(float x, uint32_t random) {
+  const uint32_t u = float_bits(x);
+  const uint32_t special_mask = 0u - static_cast<uint32_t>((u & 0x7F800000u) == 0x7F800000u);
+  const uint32_t stochastic = (u + (random & 0xFFFFu)) >> 16;
+  return static_cast<uint16_t>((special_mask & float_to_bf16(x)) | (~special_mask & stochastic));
+}
+
 template <Dtype D>
 struct Storage;
 template <>
