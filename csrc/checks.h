@@ -119,4 +119,51 @@ inline void check_state(const char* op, at::TensorList state, const char* name,
   }
 }
 
+// Everything an SGD step checks before it touches memory.
+inline void check_sgd_arguments(const char* op, at::TensorList params, at::TensorList buffers,
+                                at::TensorList momentum_buffers, at::TensorList master_params,
+                                double momentum, bool stochastic_rounding,
+                                const std::optional<at::Tensor>& grad_scale_tensor,
+                                const std::optional<at::Tensor>& found_inf) {
+  check_step_tensors(op, params, buffers, master_params);
+  check_stochastic_rounding(op, stochastic_rounding, master_params);
+  if (momentum != 0.0) {
+    check_state(op, momentum_buffers, "momentum_buffers", params);
+  } else {
+    check_length(op, momentum_buffers, "momentum_buffers", 0, "momentum is 0");
+  }
+  if (params.empty()) return;
+  check_scalar_tensor(op, grad_scale_tensor, "grad_scale_tensor", params[0].device());
+  check_scalar_tensor(op, found_inf, "found_inf", params[0].device());
+}
+
+// Everything an Adam or AdamW step checks before it touches memory.
+inline void check_adam_arguments(const char* op, at::TensorList params, at::TensorList buffers,
+                                 at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                                 at::TensorList max_exp_avg_sqs, at::TensorList state_steps,
+                                 at::TensorList master_params, bool amsgrad,
+                                 bool stochastic_rounding,
+                                 const std::optional<at::Tensor>& grad_scale_tensor,
+                                 const std::optional<at::Tensor>& found_inf) {
+  check_step_tensors(op, params, buffers, master_params);
+  check_stochastic_rounding(op, stochastic_rounding, master_params);
+  check_state(op, exp_avgs, "exp_avgs", params);
+  check_state(op, exp_avg_sqs, "exp_avg_sqs", params);
+  if (amsgrad) {
+    check_state(op, max_exp_avg_sqs, "max_exp_avg_sqs", params);
+  } else {
+    check_length(op, max_exp_avg_sqs, "max_exp_avg_sqs", 0, "amsgrad is False");
+  }
+  check_length(op, state_steps, "state_steps", params.size(), "one step count per param");
+  if (params.empty()) return;
+  const at::Device device = params[0].device();
+  for (size_t i = 0; i < state_steps.size(); ++i) {
+    check_tensor(op, state_steps[i], "state_steps", i, device, {at::kFloat});
+    TORCH_CHECK_VALUE(state_steps[i].numel() == 1, op, ": state_steps[", i,
+                      "] must have 1 element; got ", state_steps[i].numel());
+  }
+  check_scalar_tensor(op, grad_scale_tensor, "grad_scale_tensor", device);
+  check_scalar_tensor(op, found_inf, "found_inf", device);
+}
+
 }  // namespace accumkernels

@@ -21,27 +21,9 @@ void adam_cpu(const char* op, bool adamw, at::TensorList params, at::TensorList 
               double grad_scale, const std::optional<at::Tensor>& grad_scale_tensor,
               const std::optional<at::Tensor>& found_inf, bool zero_buffers,
               bool stochastic_rounding, int64_t seed) {
-  check_step_tensors(op, params, buffers, master_params);
-  check_stochastic_rounding(op, stochastic_rounding, master_params);
-  for (size_t i = 0; i < params.size(); ++i) {
-    TORCH_CHECK(params[i].device() == at::kCPU, op, ": params[", i, "] is on ",
-                params[i].device(), "; expected cpu");
-  }
-  check_state(op, exp_avgs, "exp_avgs", params);
-  check_state(op, exp_avg_sqs, "exp_avg_sqs", params);
-  if (amsgrad) {
-    check_state(op, max_exp_avg_sqs, "max_exp_avg_sqs", params);
-  } else {
-    check_length(op, max_exp_avg_sqs, "max_exp_avg_sqs", 0, "amsgrad is False");
-  }
-  check_length(op, state_steps, "state_steps", params.size(), "one step count per param");
-  for (size_t i = 0; i < state_steps.size(); ++i) {
-    check_tensor(op, state_steps[i], "state_steps", i, at::kCPU, {at::kFloat});
-    TORCH_CHECK_VALUE(state_steps[i].numel() == 1, op, ": state_steps[", i,
-                      "] must have 1 element; got ", state_steps[i].numel());
-  }
-  check_scalar_tensor(op, grad_scale_tensor, "grad_scale_tensor", at::kCPU);
-  check_scalar_tensor(op, found_inf, "found_inf", at::kCPU);
+  check_adam_arguments(op, params, buffers, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
+                       master_params, amsgrad, stochastic_rounding, grad_scale_tensor, found_inf);
+  if (params.empty()) return;
 
   const StepScalars s = read_step_scalars(grad_scale, grad_scale_tensor, found_inf, maximize);
   if (s.skip) {

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "accumkernels/dispatch.h"
 #include "accumkernels/formulas.h"
 #include "kernels.h"
 

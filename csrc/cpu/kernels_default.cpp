@@ -3,6 +3,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "accumkernels/dispatch.h"
+
 #define AK_CPU_ISA isa_default
 #define AK_CPU_ISA_NAME "default"
 #include "kernels_impl.h"

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "accumkernels/dispatch.h"
 #include "accumkernels/formulas.h"
 #include "kernels.h"
 
@@ -16,45 +17,6 @@
 
 namespace accumkernels::cpu::AK_CPU_ISA {
 namespace {
-
-template <typename F>
-void with_bool(bool b, F&& f) {
-  if (b) {
-    f(std::true_type{});
-  } else {
-    f(std::false_type{});
-  }
-}
-
-template <typename F>
-void with_dtype(Dtype d, F&& f) {
-  switch (d) {
-    case Dtype::kFloat32:
-      f(std::integral_constant<Dtype, Dtype::kFloat32>{});
-      break;
-    case Dtype::kBFloat16:
-      f(std::integral_constant<Dtype, Dtype::kBFloat16>{});
-      break;
-    case Dtype::kFloat16:
-      f(std::integral_constant<Dtype, Dtype::kFloat16>{});
-      break;
-  }
-}
-
-template <typename F>
-void with_momentum(Momentum m, F&& f) {
-  switch (m) {
-    case Momentum::kNone:
-      f(std::integral_constant<Momentum, Momentum::kNone>{});
-      break;
-    case Momentum::kFirstStep:
-      f(std::integral_constant<Momentum, Momentum::kFirstStep>{});
-      break;
-    case Momentum::kRunning:
-      f(std::integral_constant<Momentum, Momentum::kRunning>{});
-      break;
-  }
-}
 
 template <Dtype G, bool kOverwrite>
 bool accumulate_loop(float* __restrict buffer, const typename Storage<G>::type* __restrict grad,
@@ -101,17 +63,6 @@ struct Weights {
     }
   }
 };
-
-// Calls f(std::bool_constant<stochastic rounding>): only bf16 params without
-// master weights are ever rounded stochastically, so only they get that variant.
-template <Dtype P, bool kMaster, typename F>
-void with_stochastic(bool enabled, F&& f) {
-  if constexpr (P == Dtype::kBFloat16 && !kMaster) {
-    with_bool(enabled, f);
-  } else {
-    f(std::false_type{});
-  }
-}
 
 template <Dtype P, bool kMaster, bool kStochastic, Momentum kMomentum, bool kNesterov,
           bool kWeightDecay, bool kZero>

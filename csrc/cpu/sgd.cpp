@@ -20,19 +20,9 @@ void sgd_step_and_zero_cpu(at::TensorList params, at::TensorList buffers,
                            const std::optional<at::Tensor>& grad_scale_tensor,
                            const std::optional<at::Tensor>& found_inf, bool zero_buffers,
                            bool stochastic_rounding, int64_t seed) {
-  check_step_tensors(kOp, params, buffers, master_params);
-  check_stochastic_rounding(kOp, stochastic_rounding, master_params);
-  for (size_t i = 0; i < params.size(); ++i) {
-    TORCH_CHECK(params[i].device() == at::kCPU, kOp, ": params[", i, "] is on ",
-                params[i].device(), "; expected cpu");
-  }
-  if (momentum != 0.0) {
-    check_state(kOp, momentum_buffers, "momentum_buffers", params);
-  } else {
-    check_length(kOp, momentum_buffers, "momentum_buffers", 0, "momentum is 0");
-  }
-  check_scalar_tensor(kOp, grad_scale_tensor, "grad_scale_tensor", at::kCPU);
-  check_scalar_tensor(kOp, found_inf, "found_inf", at::kCPU);
+  check_sgd_arguments(kOp, params, buffers, momentum_buffers, master_params, momentum,
+                      stochastic_rounding, grad_scale_tensor, found_inf);
+  if (params.empty()) return;
 
   const StepScalars s = read_step_scalars(grad_scale, grad_scale_tensor, found_inf, maximize);
   if (s.skip) {

@@ -92,25 +92,10 @@ void adam_cuda(const char* op, bool adamw, at::TensorList params, at::TensorList
                const std::optional<at::Tensor>& grad_scale_tensor,
                const std::optional<at::Tensor>& found_inf, bool zero_buffers,
                bool stochastic_rounding, int64_t seed) {
-  check_step_tensors(op, params, buffers, master_params);
-  check_stochastic_rounding(op, stochastic_rounding, master_params);
-  check_state(op, exp_avgs, "exp_avgs", params);
-  check_state(op, exp_avg_sqs, "exp_avg_sqs", params);
-  if (amsgrad) {
-    check_state(op, max_exp_avg_sqs, "max_exp_avg_sqs", params);
-  } else {
-    check_length(op, max_exp_avg_sqs, "max_exp_avg_sqs", 0, "amsgrad is False");
-  }
-  check_length(op, state_steps, "state_steps", params.size(), "one step count per param");
+  check_adam_arguments(op, params, buffers, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
+                       master_params, amsgrad, stochastic_rounding, grad_scale_tensor, found_inf);
   if (params.empty()) return;
   const at::Device device = params[0].device();
-  for (size_t i = 0; i < state_steps.size(); ++i) {
-    check_tensor(op, state_steps[i], "state_steps", i, device, {at::kFloat});
-    TORCH_CHECK_VALUE(state_steps[i].numel() == 1, op, ": state_steps[", i,
-                      "] must have 1 element; got ", state_steps[i].numel());
-  }
-  check_scalar_tensor(op, grad_scale_tensor, "grad_scale_tensor", device);
-  check_scalar_tensor(op, found_inf, "found_inf", device);
   const c10::cuda::CUDAGuard guard(device);
   const float* found = found_inf.has_value() ? found_inf->const_data_ptr<float>() : nullptr;
 

@@ -63,21 +63,6 @@ struct SgdFunctor {
   }
 };
 
-template <typename F>
-void with_momentum(Momentum m, F&& f) {
-  switch (m) {
-    case Momentum::kNone:
-      f(std::integral_constant<Momentum, Momentum::kNone>{});
-      break;
-    case Momentum::kFirstStep:
-      f(std::integral_constant<Momentum, Momentum::kFirstStep>{});
-      break;
-    case Momentum::kRunning:
-      f(std::integral_constant<Momentum, Momentum::kRunning>{});
-      break;
-  }
-}
-
 void sgd_step_and_zero_cuda(at::TensorList params, at::TensorList buffers,
                             at::TensorList momentum_buffers, at::TensorList master_params,
                             double lr, double momentum, double dampening, double weight_decay,
@@ -85,17 +70,10 @@ void sgd_step_and_zero_cuda(at::TensorList params, at::TensorList buffers,
                             const std::optional<at::Tensor>& grad_scale_tensor,
                             const std::optional<at::Tensor>& found_inf, bool zero_buffers,
                             bool stochastic_rounding, int64_t seed) {
-  check_step_tensors(kOp, params, buffers, master_params);
-  check_stochastic_rounding(kOp, stochastic_rounding, master_params);
-  if (momentum != 0.0) {
-    check_state(kOp, momentum_buffers, "momentum_buffers", params);
-  } else {
-    check_length(kOp, momentum_buffers, "momentum_buffers", 0, "momentum is 0");
-  }
+  check_sgd_arguments(kOp, params, buffers, momentum_buffers, master_params, momentum,
+                      stochastic_rounding, grad_scale_tensor, found_inf);
   if (params.empty()) return;
   const at::Device device = params[0].device();
-  check_scalar_tensor(kOp, grad_scale_tensor, "grad_scale_tensor", device);
-  check_scalar_tensor(kOp, found_inf, "found_inf", device);
   const c10::cuda::CUDAGuard guard(device);
 
   const SgdHyper h = make_sgd_hyper(lr, momentum, dampening, weight_decay);

@@ -2,6 +2,7 @@
 // param itself) and the per-launch scalars read on the device.
 #pragma once
 
+#include "accumkernels/dispatch.h"
 #include "accumkernels/formulas.h"
 #include "multi_tensor.cuh"
 
@@ -55,11 +56,6 @@ struct WeightsAt {
   }
 };
 
-// Calls f(std::bool_constant<stochastic rounding>): only bf16 params without
-// master weights are ever rounded stochastically.
-template <Dtype P, bool kMaster, typename F>
-void with_stochastic(bool enabled, F&& f);
-
 // grad_scale * grad_scale_tensor, negated for maximize; read on the device.
 struct DeviceScalars {
   float grad_scale;
@@ -78,39 +74,6 @@ struct DeviceScalars {
 // A skipped window still clears its buffers.
 __device__ __forceinline__ void zero_chunk(float* buffer, int64_t n) {
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) buffer[i] = 0.0f;
-}
-
-template <typename F>
-void with_bool(bool b, F&& f) {
-  if (b) {
-    f(std::true_type{});
-  } else {
-    f(std::false_type{});
-  }
-}
-
-template <typename F>
-void with_dtype(Dtype d, F&& f) {
-  switch (d) {
-    case Dtype::kFloat32:
-      f(std::integral_constant<Dtype, Dtype::kFloat32>{});
-      break;
-    case Dtype::kBFloat16:
-      f(std::integral_constant<Dtype, Dtype::kBFloat16>{});
-      break;
-    case Dtype::kFloat16:
-      f(std::integral_constant<Dtype, Dtype::kFloat16>{});
-      break;
-  }
-}
-
-template <Dtype P, bool kMaster, typename F>
-void with_stochastic(bool enabled, F&& f) {
-  if constexpr (P == Dtype::kBFloat16 && !kMaster) {
-    with_bool(enabled, f);
-  } else {
-    f(std::false_type{});
-  }
 }
 
 inline void* ptr_or_null(at::TensorList list, size_t i) {
