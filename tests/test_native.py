@@ -107,7 +107,8 @@ MISSING_EXTENSION = textwrap.dedent(
     import sys, warnings
     sys.modules["accumkernels._C"] = None  # as if it was never built
     import torch, accumkernels as ak
-    assert ak.available_backends() == ["reference"], ak.available_backends()
+    backends = ak.available_backends()
+    assert "reference" in backends and not {"cpu", "cuda"} & set(backends), backends
     try:
         ak.accumulate_([torch.zeros(3)], [torch.ones(3)], backend="cpu")
     except RuntimeError as e:
