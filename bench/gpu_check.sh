@@ -30,10 +30,18 @@ echo "built in $((SECONDS - start)) s"
 python -c "import accumkernels as ak, accumkernels._native as n; print('backends', ak.available_backends(), 'with_cuda', n.with_cuda())"
 
 echo "== tests"
-timeout 240 python -m pytest -q -m "not slow" -p no:cacheprovider tests > "$OUT/tests.log" 2>&1
-echo "pytest exit code $?"
-grep -E "passed|failed|error" "$OUT/tests.log" | tail -n 5
-grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -n 20
+if python -c "import pytest" 2>/dev/null; then
+    # The CUDA and Triton tests first: they are what this machine is for.
+    timeout 120 python -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_triton.py > "$OUT/tests-gpu.log" 2>&1
+    echo "GPU tests: pytest exit code $?"
+    tail -n 3 "$OUT/tests-gpu.log"
+    timeout 150 python -m pytest -q -m "not slow" -p no:cacheprovider tests > "$OUT/tests.log" 2>&1
+    echo "all tests: pytest exit code $?"
+    grep -E "passed|failed|error" "$OUT/tests.log" | tail -n 3
+    grep -E "^(FAILED|ERROR)" "$OUT/tests-gpu.log" "$OUT/tests.log" | head -n 20
+else
+    echo "pytest is not installed here: skipping the test suite (the benchmark still checks every path before timing it)"
+fi
 
 echo "== benchmark"
 timeout 300 python -m bench.kernels --device cuda --results-dir "$OUT" --out kernels-cuda > "$OUT/bench.log" 2>&1
