@@ -3,7 +3,7 @@
 # extension in place (pip install --no-build-isolation -e .) and run.
 #
 #   make test                 # the whole test suite (CI runs this)
-#   make bench                # kernel benchmark on the best device present
+#   make bench                # the benchmark suite on the best device present
 #
 # The default torch is 2.14.1, a CUDA 13.0 build: with a CUDA toolkit present
 # (CUDA_HOME, or /usr/local/cuda) the CUDA kernels are compiled too, GPU or not,
@@ -21,7 +21,7 @@ NATIVE_SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
 $(VENV)/.deps:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH)" ninja pytest numpy "setuptools>=64" wheel
+	$(PY) -m pip install --quiet "$(TORCH)" ninja pytest numpy matplotlib "setuptools>=64" wheel
 	if $(PY) -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)"; then \
 		$(PY) -m pip install --quiet cuda-bindings; fi
 	touch $@
@@ -36,7 +36,7 @@ test: build
 	$(PY) -m pytest -ra
 
 bench: build
-	$(PY) -m bench.kernels
+	$(PY) -m bench.run
 
 clean:
 	rm -rf build *.egg-info accumkernels/_C*.so $(VENV)/.built

@@ -63,6 +63,15 @@ def _check_adamw(device, backend, n):
         raise AssertionError(f"adamw_step_and_zero_ [{backend}] did not clear the buffer")
 
 
+def timed_backends(device: torch.device) -> list[str]:
+    """The backends worth timing on ``device``: not the reference (the oracle),
+    nor Triton's CPU interpreter (a test vehicle)."""
+    return [
+        b for b in ak.available_backends()
+        if b != "reference" and ak.backends.BACKENDS[b].supports(device) and not (b == "triton" and device.type == "cpu")
+    ]  # fmt: skip
+
+
 class Group:
     """The cases of one group, timed together in interleaved rounds with a
     ceiling case of its own: on CUDA a device-to-device fp32 copy (8 B/element),
@@ -95,8 +104,7 @@ class Group:
 
 
 def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
-    # The reference backend is the oracle, not a performance path: not timed.
-    backends = [b for b in ak.available_backends() if b != "reference" and ak.backends.BACKENDS[b].supports(device)]
+    backends = timed_backends(device)
     rows = []
 
     # ---- one big tensor ---------------------------------------------------
@@ -106,6 +114,10 @@ def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
     g16 = {"bf16": g32.bfloat16(), "fp16": g32.half()}
     for name, g in g16.items():
         group.add(f"torch_add_{name}", f"torch buf.add_({name} grad) (mixed dtype)", 10, numel, lambda g=g: buf.add_(g))
+    # What autograd does into a bf16 .grad: bf16 += bf16 (and fp32 += fp32 is the ceiling).
+    grad_bf16 = g16["bf16"].clone()
+    group.add("autograd_bf16", "autograd-style bf16 .grad += bf16 grad", 6, numel,
+              lambda: grad_bf16.add_(g16["bf16"]))  # fmt: skip
     for backend in backends:
         _check_accumulate(device, backend, 100003)
         for name, g in g16.items():
@@ -116,7 +128,7 @@ def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
         group.add(f"accumulate_overwrite[{backend}]", f"accumulate_ bf16 overwrite [{backend}]", 6, numel,
                   lambda backend=backend: ak.accumulate_([buf], [g16["bf16"]], 0.5, overwrite=True, backend=backend))  # fmt: skip
     group.time(reps, rows)
-    del buf, g32, g16, group
+    del buf, g32, g16, group, grad_bf16
 
     # ---- a model's parameter list ------------------------------------------
     # d=512: every tensor <= 4M elements; d=2048: the MLP and attention weights
@@ -214,6 +226,23 @@ def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
                   lambda backend=backend: ak.sgd_step_and_zero_([p], [g], lr=1e-3, backend=backend))  # fmt: skip
     group.time(reps, rows)
     return {"rows": rows, "numel": numel, "list_numel": list_numel}
+
+
+def size_sweep(device: torch.device, sizes: list[int], reps: int) -> list[dict]:
+    """accumulate_ (bf16 -> fp32) against torch's mixed-dtype add_ and the
+    ceiling, over sizes: GB/s by the same bytes models."""
+    rows = []
+    for numel in sizes:
+        group = Group(f"size-{numel}", device, numel)
+        buf = torch.randn(numel, device=device)
+        grad = torch.randn(numel, device=device).bfloat16()
+        group.add("torch_add_bf16", "torch buf.add_(bf16 grad)", 10, numel, lambda: buf.add_(grad))
+        for backend in timed_backends(device):
+            group.add(f"accumulate_bf16[{backend}]", f"accumulate_ bf16 -> fp32 [{backend}]", 10, numel,
+                      lambda backend=backend: ak.accumulate_([buf], [grad], backend=backend))  # fmt: skip
+        group.time(reps, rows)
+        del buf, grad, group
+    return rows
 
 
 # (figure, numerator key, denominator key, compare, target): "gbps" divides

@@ -1,4 +1,4 @@
-"""The benchmark's quick mode keeps working (no timing is asserted)."""
+"""The benchmarks' quick modes keep working (no timing is asserted)."""
 
 from __future__ import annotations
 
@@ -22,3 +22,21 @@ def test_kernel_benchmark_quick_mode(native_only, tmp_path):
     assert result["machine"]["commit"] and result["machine"]["torch"] == __import__("torch").__version__
     assert all(r["median_ms"] > 0 and r["fraction_of_ceiling"] > 0 for r in result["rows"])
     assert "headline" in out.stdout or "headline" in result
+
+
+def test_suite_quick_mode(native_only, tmp_path):
+    """`python -m bench.run --quick`: kernels, size sweep, training windows,
+    the batch/micro-batch trade, JSON and plots, in about a minute."""
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.run", "--quick", "--device", "cpu", "--results-dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads((tmp_path / "suite-cpu-quick.json").read_text())
+    assert {r["path"] for r in result["windows"]} == {"plain-bf16", "plain-autocast", "ours-bf16", "ours-bf16-master"}
+    assert all(r["window_ms"] > 0 and r["peak_mib"] >= 0 for r in result["windows"] + result["trade"])
+    # The wrapper's fp32 accumulation is far more exact than bf16 .grad (N = 4 here).
+    n4 = {r["path"]: r["grad_rel_error"] for r in result["windows"] if r["n_micro"] == 4}
+    assert n4["ours-bf16"] * 100 <= n4["plain-bf16"]
+    for name in ("sizes", "windows", "trade"):
+        assert (tmp_path / f"suite-cpu-quick-{name}.png").stat().st_size > 0
