@@ -214,13 +214,14 @@ def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
     del group, model_params, lp, lg, lm, lv, fused
 
     group = Group("sgd", device, numel)
-    sgd = torch.optim.SGD(params, lr=1e-3, foreach=True)
+    for impl, flags in (("fused", dict(fused=True)), ("foreach", dict(foreach=True)), ("for-loop", dict(foreach=False))):
+        sgd = torch.optim.SGD(params, lr=1e-3, **flags)
 
-    def torch_sgd():
-        sgd.step()
-        sgd.zero_grad(set_to_none=False)
+        def torch_sgd(sgd=sgd):
+            sgd.step()
+            sgd.zero_grad(set_to_none=False)
 
-    group.add("sgd_torch_foreach", "torch SGD(foreach).step() + grad.zero_()", 16, numel, torch_sgd)
+        group.add(f"sgd_torch_{impl}", f"torch SGD({impl}).step() + grad.zero_()", 16, numel, torch_sgd)
     for backend in backends:
         group.add(f"sgd[{backend}]", f"sgd_step_and_zero_ [{backend}]", 16, numel,
                   lambda backend=backend: ak.sgd_step_and_zero_([p], [g], lr=1e-3, backend=backend))  # fmt: skip
