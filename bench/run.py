@@ -10,8 +10,8 @@ On the best device present (CUDA if any, else the CPU) it runs, in order:
 3. training windows of a GPT-style model (bench/e2e.py): plain .grad paths
    against AccumulatingOptimizer over model sizes and window lengths N: time,
    peak memory, the step's share, the summed gradient's error against float64;
-4. the trade itself: one effective batch of 64 as N micro-batches, N = 1..64:
-   peak memory and time, plain and with the wrapper.
+4. the trade itself: one effective batch of 64 sequences as N micro-batches,
+   N = 1..64: peak memory and time, plain and with the wrapper.
 
 It prints progress and tables and writes bench/results/suite-<device>.json
 (machine, versions, commit, every median) and PNG plots beside it. No timing is
@@ -75,8 +75,10 @@ def _plots(result: dict, folder: Path, stem: str) -> list[Path]:
         pts = [r for r in result["trade"] if r["path"] == path]
         left.plot([r["n_micro"] for r in pts], [r["peak_mib"] for r in pts], marker="o", label=path)
         right.plot([r["n_micro"] for r in pts], [r["window_ms"] for r in pts], marker="o", label=path)
-    left.set(xscale="log", xlabel="N (batch of 64 as N x 64/N)", ylabel="peak memory (MiB)", title="memory")
-    right.set(xscale="log", xlabel="N (batch of 64 as N x 64/N)", ylabel="ms per effective batch", title="time")
+    batch = result["trade"][0]["n_micro"] * result["trade"][0]["micro_batch"]
+    label = f"N (a batch of {batch} as N micro-batches of {batch}/N)"
+    left.set(xscale="log", xlabel=label, ylabel="peak memory (MiB)", title="memory")
+    right.set(xscale="log", xlabel=label, ylabel="ms per effective batch", title="time")
     left.legend(fontsize=8)
     fig.tight_layout()
     written.append(folder / f"{stem}-trade.png")
