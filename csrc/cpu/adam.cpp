@@ -14,13 +14,18 @@
 namespace accumkernels::cpu {
 namespace {
 
-void adam_cpu(const char* op, bool adamw, at::TensorList params, at::TensorList buffers,
+// One implementation, registered twice: Adam and AdamW differ only in how weight
+// decay is applied (kAdamW), a compile-time choice.
+template <bool kAdamW>
+void adam_cpu(at::TensorList params, at::TensorList buffers,
               at::TensorList exp_avgs, at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
               at::TensorList state_steps, at::TensorList master_params, double lr, double beta1,
               double beta2, double eps, double weight_decay, bool amsgrad, bool maximize,
               double grad_scale, const std::optional<at::Tensor>& grad_scale_tensor,
               const std::optional<at::Tensor>& found_inf, bool zero_buffers,
               bool stochastic_rounding, int64_t seed) {
+  constexpr const char* op =
+      kAdamW ? "accumkernels::adamw_step_and_zero_" : "accumkernels::adam_step_and_zero_";
   check_adam_arguments(op, params, buffers, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
                        master_params, amsgrad, stochastic_rounding, grad_scale_tensor, found_inf);
   if (params.empty()) return;
@@ -31,7 +36,7 @@ void adam_cpu(const char* op, bool adamw, at::TensorList params, at::TensorList 
     return;
   }
   const AdamHyper h = make_adam_hyper(lr, beta1, beta2, eps, weight_decay);
-  const AdamFlags flags{adamw, amsgrad, weight_decay != 0.0};
+  const AdamFlags flags{kAdamW, amsgrad, weight_decay != 0.0};
   std::vector<AdamStepScalars> per_tensor(params.size());
   for (size_t i = 0; i < params.size(); ++i) {
     float* step = state_steps[i].data_ptr<float>();
@@ -59,40 +64,11 @@ void adam_cpu(const char* op, bool adamw, at::TensorList params, at::TensorList 
   });
 }
 
-void adam_step_and_zero_cpu(at::TensorList params, at::TensorList buffers,
-                            at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                            at::TensorList max_exp_avg_sqs, at::TensorList state_steps,
-                            at::TensorList master_params, double lr, double beta1, double beta2,
-                            double eps, double weight_decay, bool amsgrad, bool maximize,
-                            double grad_scale, const std::optional<at::Tensor>& grad_scale_tensor,
-                            const std::optional<at::Tensor>& found_inf, bool zero_buffers,
-                            bool stochastic_rounding, int64_t seed) {
-  adam_cpu("accumkernels::adam_step_and_zero_", false, params, buffers, exp_avgs, exp_avg_sqs,
-           max_exp_avg_sqs, state_steps, master_params, lr, beta1, beta2, eps, weight_decay,
-           amsgrad, maximize, grad_scale, grad_scale_tensor, found_inf, zero_buffers,
-           stochastic_rounding, seed);
-}
-
-void adamw_step_and_zero_cpu(at::TensorList params, at::TensorList buffers,
-                             at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                             at::TensorList max_exp_avg_sqs, at::TensorList state_steps,
-                             at::TensorList master_params, double lr, double beta1, double beta2,
-                             double eps, double weight_decay, bool amsgrad, bool maximize,
-                             double grad_scale,
-                             const std::optional<at::Tensor>& grad_scale_tensor,
-                             const std::optional<at::Tensor>& found_inf, bool zero_buffers,
-                             bool stochastic_rounding, int64_t seed) {
-  adam_cpu("accumkernels::adamw_step_and_zero_", true, params, buffers, exp_avgs, exp_avg_sqs,
-           max_exp_avg_sqs, state_steps, master_params, lr, beta1, beta2, eps, weight_decay,
-           amsgrad, maximize, grad_scale, grad_scale_tensor, found_inf, zero_buffers,
-           stochastic_rounding, seed);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(accumkernels, CPU, m) {
-  m.impl("adam_step_and_zero_", &adam_step_and_zero_cpu);
-  m.impl("adamw_step_and_zero_", &adamw_step_and_zero_cpu);
+  m.impl("adam_step_and_zero_", &adam_cpu<false>);
+  m.impl("adamw_step_and_zero_", &adam_cpu<true>);
 }
 
 }  // namespace accumkernels::cpu

@@ -84,7 +84,10 @@ struct AdamFunctor {
   }
 };
 
-void adam_cuda(const char* op, bool adamw, at::TensorList params, at::TensorList buffers,
+// One implementation, registered twice: Adam and AdamW differ only in how weight
+// decay is applied (kAdamW), a compile-time choice.
+template <bool kAdamW>
+void adam_cuda(at::TensorList params, at::TensorList buffers,
                at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                at::TensorList max_exp_avg_sqs, at::TensorList state_steps,
                at::TensorList master_params, double lr, double beta1, double beta2, double eps,
@@ -92,6 +95,8 @@ void adam_cuda(const char* op, bool adamw, at::TensorList params, at::TensorList
                const std::optional<at::Tensor>& grad_scale_tensor,
                const std::optional<at::Tensor>& found_inf, bool zero_buffers,
                bool stochastic_rounding, int64_t seed) {
+  constexpr const char* op =
+      kAdamW ? "accumkernels::adamw_step_and_zero_" : "accumkernels::adam_step_and_zero_";
   check_adam_arguments(op, params, buffers, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
                        master_params, amsgrad, stochastic_rounding, grad_scale_tensor, found_inf);
   if (params.empty()) return;
@@ -130,16 +135,13 @@ void adam_cuda(const char* op, bool adamw, at::TensorList params, at::TensorList
     with_dtype(d, [&](auto p) {
       with_bool(!master_params.empty(), [&](auto master) {
         with_stochastic<decltype(p)::value, decltype(master)::value>(stochastic_rounding, [&](auto sr) {
-          with_bool(adamw, [&](auto is_adamw) {
-            with_bool(amsgrad, [&](auto is_amsgrad) {
-              with_bool(weight_decay != 0.0, [&](auto wd) {
-                multi_tensor_apply<kLists>(
-                    lists, numels, indices,
-                    AdamFunctor<decltype(p)::value, decltype(master)::value, decltype(sr)::value,
-                                decltype(is_adamw)::value, decltype(is_amsgrad)::value,
-                                decltype(wd)::value>{},
-                    h, ds, static_cast<uint32_t>(seed));
-              });
+          with_bool(amsgrad, [&](auto is_amsgrad) {
+            with_bool(weight_decay != 0.0, [&](auto wd) {
+              multi_tensor_apply<kLists>(
+                  lists, numels, indices,
+                  AdamFunctor<decltype(p)::value, decltype(master)::value, decltype(sr)::value,
+                              kAdamW, decltype(is_amsgrad)::value, decltype(wd)::value>{},
+                  h, ds, static_cast<uint32_t>(seed));
             });
           });
         });
@@ -148,41 +150,11 @@ void adam_cuda(const char* op, bool adamw, at::TensorList params, at::TensorList
   }
 }
 
-void adam_step_and_zero_cuda(at::TensorList params, at::TensorList buffers,
-                             at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                             at::TensorList max_exp_avg_sqs, at::TensorList state_steps,
-                             at::TensorList master_params, double lr, double beta1, double beta2,
-                             double eps, double weight_decay, bool amsgrad, bool maximize,
-                             double grad_scale,
-                             const std::optional<at::Tensor>& grad_scale_tensor,
-                             const std::optional<at::Tensor>& found_inf, bool zero_buffers,
-                              bool stochastic_rounding, int64_t seed) {
-  adam_cuda("accumkernels::adam_step_and_zero_", false, params, buffers, exp_avgs, exp_avg_sqs,
-            max_exp_avg_sqs, state_steps, master_params, lr, beta1, beta2, eps, weight_decay,
-            amsgrad, maximize, grad_scale, grad_scale_tensor, found_inf, zero_buffers,
-            stochastic_rounding, seed);
-}
-
-void adamw_step_and_zero_cuda(at::TensorList params, at::TensorList buffers,
-                              at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                              at::TensorList max_exp_avg_sqs, at::TensorList state_steps,
-                              at::TensorList master_params, double lr, double beta1,
-                              double beta2, double eps, double weight_decay, bool amsgrad,
-                              bool maximize, double grad_scale,
-                              const std::optional<at::Tensor>& grad_scale_tensor,
-                              const std::optional<at::Tensor>& found_inf, bool zero_buffers,
-                              bool stochastic_rounding, int64_t seed) {
-  adam_cuda("accumkernels::adamw_step_and_zero_", true, params, buffers, exp_avgs, exp_avg_sqs,
-            max_exp_avg_sqs, state_steps, master_params, lr, beta1, beta2, eps, weight_decay,
-            amsgrad, maximize, grad_scale, grad_scale_tensor, found_inf, zero_buffers,
-            stochastic_rounding, seed);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(accumkernels, CUDA, m) {
-  m.impl("adam_step_and_zero_", &adam_step_and_zero_cuda);
-  m.impl("adamw_step_and_zero_", &adamw_step_and_zero_cuda);
+  m.impl("adam_step_and_zero_", &adam_cuda<false>);
+  m.impl("adamw_step_and_zero_", &adam_cuda<true>);
 }
 
 }  // namespace accumkernels::cuda
