@@ -12,12 +12,15 @@ step-and-zero op, with normalization, loss-scale skip and clipping folded into
 
 from __future__ import annotations
 
+import gc
 from collections import OrderedDict
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from . import ops
+from ._distributed import BucketReducer
 
 _NORMALIZE = ("mean", "sum", "items")
 _ALIGN_ELEMENTS = 16  # 64-byte alignment of every param's view in the flat buffer
@@ -25,11 +28,34 @@ _ALIGN_ELEMENTS = 16  # 64-byte alignment of every param's view in the flat buff
 
 class _Bucket:
     """Params whose buffer views are contiguous in the flat buffer: one
-    accumulate_ call folds them all once their gradients have arrived."""
+    accumulate_ call folds them all once their gradients have arrived, and one
+    collective reduces ``flat[start:end]`` across ranks."""
 
-    def __init__(self, params: list[torch.Tensor]) -> None:
+    def __init__(self, index: int, params: list[torch.Tensor]) -> None:
+        self.index = index
         self.params = params
+        self.expected = sum(p.requires_grad for p in params)  # gradients that complete it
         self.pending: dict[int, torch.Tensor] = {}  # id(param) -> param, gradient waiting
+        self.start = self.end = 0
+        dtypes = {p.dtype for p in params}
+        # sharded mode all-gathers updated params in their own dtype when they share one
+        self.gather_dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+
+
+def _flat_view(p: torch.Tensor) -> torch.Tensor:
+    """The elements of a dense param in storage order, as its buffer view lays them out."""
+    return p.detach().as_strided((p.numel(),), (1,), p.storage_offset())
+
+
+def _ddp_modules_holding(params) -> list:
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = {id(p) for p in params}
+    return [
+        obj
+        for obj in gc.get_objects()
+        if isinstance(obj, DistributedDataParallel) and any(id(p) in ids for p in obj.module.parameters())
+    ]
 
 
 class AccumulatingOptimizer(torch.optim.Optimizer):
@@ -60,6 +86,19 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         D = window length (normalize="mean"), 1 ("sum"), or the window's total
             of step(num_items=...) ("items")
 
+    **Distributed.** With ``torch.distributed`` initialized (or a ``process_group``
+    given) the sums, window lengths and item counts above run over every rank's
+    micro-batches: W ranks of N micro-steps equal one process with W*N. The
+    buffers are summed across ranks once per window: during the backward of the
+    window's last micro-step each bucket's collective is launched asynchronously
+    as soon as it (and every bucket before it) is complete; ``step()`` waits for
+    them and for one small all-reduce of the window's inf flag, item and
+    micro-step counts and which params got a gradient (read on the host: the
+    only host sync of a distributed window). Any rank's inf/NaN skips the window
+    everywhere; clipping uses the global norm. Every rank must call ``step()``
+    the same number of times. Do not wrap the model in ``DistributedDataParallel``
+    (its reducer would all-reduce every micro-batch's ``.grad``): refused.
+
     Args:
         optimizer: the optimizer to wrap, with all its param groups already added.
         accum_steps: micro-steps per window; ``None``: every ``step()`` call ends a
@@ -75,8 +114,20 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             micro-batch is unscaled as it is accumulated, and a window with an inf
             or NaN is skipped whole (params and state untouched, buffers cleared),
             and the scaler backs off.
-        bucket_cap_mb: size of the buckets the gradients are folded in.
+        skip_nonfinite: skip a window with an inf or NaN gradient (implied by
+            ``grad_scaler``); checked in the accumulation pass, no host sync.
+        bucket_cap_mb: size of the buckets the gradients are folded (and reduced) in.
         backend: the accumkernels backend to use (default: fastest available).
+        process_group: the ``torch.distributed`` group to reduce over (default: the
+            world group if ``torch.distributed`` is initialized; a group of one
+            process means no communication).
+        sharded: ZeRO-1: reduce-scatter each bucket, step only this rank's shard
+            of every bucket (optimizer state and master weights exist for that
+            shard only, 1/W of the memory), then all-gather the updated params.
+            SGD, Adam and AdamW only.
+        wire_dtype: ``torch.float32`` (default, exact) or ``torch.bfloat16``: send
+            bf16 on the wire and sum the ranks' contributions in fp32 on arrival
+            (see ``accumkernels._distributed``).
     """
 
     _step_supports_amp_scaling = True  # GradScaler: we unscale and skip ourselves
@@ -91,8 +142,12 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         master_weights: bool = False,
         stochastic_rounding: bool = False,
         grad_scaler: torch.amp.GradScaler | None = None,
+        skip_nonfinite: bool = False,
         bucket_cap_mb: float = 25.0,
         backend: str | None = None,
+        process_group: Any = None,
+        sharded: bool = False,
+        wire_dtype: torch.dtype = torch.float32,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
@@ -106,6 +161,13 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             raise ValueError(f"max_grad_norm must be > 0; got {max_grad_norm!r}")
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0; got {bucket_cap_mb!r}")
+        if wire_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"wire_dtype must be torch.float32 or torch.bfloat16; got {wire_dtype!r}")
+        group = self._resolve_group(process_group)
+        if group is None and (sharded or wire_dtype != torch.float32):
+            raise ValueError(
+                "sharded=True and wire_dtype need torch.distributed: initialize it or pass process_group"
+            )
 
         # torch.optim.Optimizer's machinery (hooks, step patching), sharing the
         # wrapped optimizer's param_groups and state rather than copying them.
@@ -130,7 +192,10 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{name} needs SGD, Adam or AdamW (the fused step); got {type(optimizer).__name__}")
         if master_weights and stochastic_rounding:
             raise ValueError("master_weights and stochastic_rounding exclude each other: choose one")
+        if sharded and self._kind == "fallback":
+            raise ValueError(f"sharded=True needs SGD, Adam or AdamW (the fused step); got {type(optimizer).__name__}")
         self.stochastic_rounding = stochastic_rounding
+        self._check_inf = grad_scaler is not None or skip_nonfinite
 
         self._params = self._collect_params()
         devices = {p.device for p in self._params}
@@ -138,11 +203,33 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             raise ValueError(f"params on several devices ({sorted(map(str, devices))}) are not supported yet")
         self.device = next(iter(devices)) if devices else torch.device("cpu")
         self._index = {id(p): i for i, p in enumerate(self._params)}
-        self._buffers, self._flat, self._buckets, self._bucket_of = self._make_buffers(bucket_cap_mb)
+
+        # Distributed: the group, and this rank's share of every bucket.
+        self.process_group = group
+        self.world_size = 1 if group is None else dist.get_world_size(group)
+        self.rank = 0 if group is None else dist.get_rank(group)
+        self.sharded = sharded and self.world_size > 1
+        if group is not None:
+            self._refuse_ddp()
+        self._buffers, self._flat, self._buckets, self._bucket_of, self._offset = self._make_buffers(bucket_cap_mb)
+        self._reducer = None
+        self._shard: dict[int, tuple[int, int]] = {}  # id(param) -> [lo, hi) of its elements this rank steps
+        if self.world_size > 1:
+            self._reducer = BucketReducer(
+                group, self._flat, [(b.start, b.end) for b in self._buckets], self.sharded, wire_dtype
+            )
+            if self.sharded:
+                for b in self._buckets:
+                    lo, hi = self._reducer.shard(b.index)
+                    for p in b.params:
+                        start = self._offset[id(p)]
+                        a, z = max(lo, start), min(hi, start + p.numel())
+                        if a < z:
+                            self._shard[id(p)] = (a - start, z - start)
         self._masters = {
-            id(p): p.detach().float().clone()
+            id(p): self._param_view(p).float().clone()
             for p in self._params
-            if master_weights and p.dtype in (torch.bfloat16, torch.float16)
+            if master_weights and p.dtype in (torch.bfloat16, torch.float16) and self._steps_here(p)
         }
 
         # Window state, all on the host except the device flags and item count.
@@ -217,9 +304,13 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._micro_steps += 1
         self._grads_since_step = False
         self._micro_inv_scale = None
-        if self.grad_scaler is not None:
+        if self._check_inf:
             torch.maximum(self._window_found_inf, self._step_found_inf, out=self._window_found_inf)
-            self._report_to_scaler(self._step_found_inf)
+            if self.grad_scaler is not None:
+                # Distributed: every rank's scaler must see the same flags, so
+                # they see the window's global flag at its end and none before.
+                local = self._reducer is None
+                self._report_to_scaler(self._step_found_inf if local else torch.zeros(1, device=self.device))
             self._step_found_inf = torch.zeros(1, device=self.device)
         self.window_stepped = self.accum_steps is None or self._micro_steps >= self.accum_steps
         if self.window_stepped:
@@ -237,7 +328,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         """A new fp32 tensor: the gradient the step would apply to ``param`` if
         the window ended now, normalization applied, before clipping (a
         micro-step in progress counts in ``"mean"`` mode; ``"items"`` divides by
-        the items counted so far). Zeros for a param with no gradient yet."""
+        the items counted so far). Zeros for a param with no gradient yet. In
+        distributed runs: this rank's own contribution, before the reduction."""
         i = self._index.get(id(param))
         if i is None:
             raise ValueError("param is not one of the wrapped optimizer's params")
@@ -251,11 +343,18 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         """Clip the window's gradient to ``max_norm`` at the next window step and
         return its global L2 norm (normalization applied, a 0-dim fp32 tensor on
         the device, no host sync). ``torch.nn.utils.clip_grad_norm_`` on the
-        model's params cannot do this: their ``.grad`` is freed into the buffers."""
+        model's params cannot do this: their ``.grad`` is freed into the buffers.
+        Not in distributed runs, where the norm exists only after the window's
+        reduction: use ``max_grad_norm=``."""
         if not max_norm > 0:
             raise ValueError(f"max_norm must be > 0; got {max_norm!r}")
+        if self._reducer is not None:
+            raise RuntimeError(
+                "clip_grad_norm_() is not available in distributed runs: the global norm exists only after the "
+                "window's cross-rank reduction inside step(); pass max_grad_norm= to the wrapper instead"
+            )
         self._flush()
-        norm = self._grad_norm(pending=True)
+        norm = self._grad_norm(self._normalization(pending=True))
         self._clip_coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         return norm
 
@@ -277,14 +376,28 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             "clip_coef": None if self._clip_coef is None else self._clip_coef.clone(),
             "master_weights": {self._index[k]: v.clone() for k, v in self._masters.items()},
             "windows": self._windows,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "sharded": self.sharded,
         }
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a checkpoint of this wrapper, or of the plain wrapped optimizer
-        (the window then starts empty)."""
+        (the window then starts empty). In distributed runs every rank saves and
+        loads its own (the buffers hold that rank's contributions; in sharded
+        mode the optimizer state holds its shards), with the same world size."""
         state_dict = dict(state_dict)
         extra = state_dict.pop("accumkernels", None)
+        if extra is not None:
+            saved = (extra.get("world_size", 1), extra.get("rank", 0), extra.get("sharded", False))
+            if saved != (self.world_size, self.rank, self.sharded):
+                raise ValueError(
+                    f"checkpoint is of rank {saved[1]} of {saved[0]} (sharded={saved[2]}); this wrapper is rank "
+                    f"{self.rank} of {self.world_size} (sharded={self.sharded}): each rank loads its own checkpoint"
+                )
+        elif self.sharded:
+            raise ValueError("sharded=True loads only its own state dicts (a plain optimizer's holds whole params)")
         self.optimizer.load_state_dict(state_dict)
         # The plain optimizer casts state to the param dtype (bf16 for bf16
         # params): take the checkpoint's own values, in fp32, instead.
@@ -313,6 +426,43 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._windows = extra.get("windows", 0)
 
     # ---- internals: set-up -------------------------------------------------
+
+    @staticmethod
+    def _resolve_group(process_group):
+        if process_group is None:
+            if dist.is_available() and dist.is_initialized():
+                return dist.group.WORLD
+            return None
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("process_group was given but torch.distributed is not initialized")
+        return process_group
+
+    def _refuse_ddp(self) -> None:
+        if _ddp_modules_holding(self._params):
+            raise RuntimeError(
+                "AccumulatingOptimizer reduces the gradients across ranks itself, once per window; a "
+                "DistributedDataParallel module holds these params and its reducer would all-reduce every "
+                "micro-batch's .grad (and owns .grad). Pass the plain module (model.module) to the model call and "
+                "let the wrapper do the reduction"
+            )
+
+    def _steps_here(self, p: torch.Tensor) -> bool:
+        """Whether this rank updates (part of) ``p``: always, unless sharded."""
+        return not self.sharded or id(p) in self._shard
+
+    def _param_view(self, p: torch.Tensor) -> torch.Tensor:
+        """What this rank steps of ``p``: the param, or (sharded) its elements in this rank's shard."""
+        if not self.sharded:
+            return p
+        lo, hi = self._shard[id(p)]
+        return _flat_view(p)[lo:hi]
+
+    def _buffer_view(self, p: torch.Tensor) -> torch.Tensor:
+        if not self.sharded:
+            return self._buffers[self._index[id(p)]]
+        lo, hi = self._shard[id(p)]
+        start = self._offset[id(p)]
+        return self._flat[start + lo : start + hi]
 
     @staticmethod
     def _optimizer_kind(optimizer) -> str:
@@ -353,12 +503,29 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     def _make_buffers(self, bucket_cap_mb: float):
         """One flat fp32 buffer, params laid out in reverse order (the order
         their gradients usually arrive in), each view 64-byte aligned and with
-        its param's strides; buckets are contiguous runs of at most ~cap bytes."""
+        its param's strides; buckets are contiguous runs of at most ~cap bytes,
+        each padded to a multiple of world_size * 16 elements (aligned shards)."""
         order = list(reversed(self._params))
-        offsets, total = {}, 0
+        cap = bucket_cap_mb * 2**20
+        groups, current, size = [], [], 0
         for p in order:
-            offsets[id(p)] = total
-            total += -(-p.numel() // _ALIGN_ELEMENTS) * _ALIGN_ELEMENTS
+            if current and size + p.numel() * 4 > cap:
+                groups.append(current)
+                current, size = [], 0
+            current.append(p)
+            size += p.numel() * 4
+        if current:
+            groups.append(current)
+        buckets = [_Bucket(i, g) for i, g in enumerate(groups)]
+        offsets, total = {}, 0
+        for b in buckets:
+            b.start = total
+            for p in b.params:
+                offsets[id(p)] = total
+                total += -(-p.numel() // _ALIGN_ELEMENTS) * _ALIGN_ELEMENTS
+            unit = _ALIGN_ELEMENTS * self.world_size
+            total = -(-total // unit) * unit
+            b.end = total
         flat = torch.zeros(total, dtype=torch.float32, device=self.device)
         buffers = []
         for p in self._params:
@@ -367,20 +534,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             else:  # dense with another memory order (e.g. channels_last): same strides
                 view = flat.as_strided(p.shape, p.stride(), offsets[id(p)])
             buffers.append(view)
-        cap = bucket_cap_mb * 2**20
-        buckets, bucket_of, current, size = [], {}, [], 0
-        for p in order:
-            if current and size + p.numel() * 4 > cap:
-                buckets.append(_Bucket(current))
-                current, size = [], 0
-            current.append(p)
-            size += p.numel() * 4
-        if current:
-            buckets.append(_Bucket(current))
-        for b in buckets:
-            for p in b.params:
-                bucket_of[id(p)] = b
-        return buffers, flat, buckets, bucket_of
+        bucket_of = {id(p): b for b in buckets for p in b.params}
+        return buffers, flat, buckets, bucket_of, offsets
 
     # ---- internals: accumulation -------------------------------------------
 
@@ -396,10 +551,31 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 f"{tuple(param.shape)}"
             )
         bucket = self._bucket_of[id(param)]
+        last = self._reducer is not None and self._in_last_micro_step()
+        if last and self._reducer.is_launched(bucket.index):
+            raise RuntimeError(
+                "AccumulatingOptimizer: a gradient arrived for a bucket whose cross-rank reduction has already "
+                "started (a second backward in the window's last micro-step): sum the losses and call backward "
+                "once per micro-step"
+            )
         bucket.pending[id(param)] = param
         self._grads_since_step = True
-        if len(bucket.pending) == len(bucket.params):
+        if len(bucket.pending) == bucket.expected:
             self._fold(bucket)
+            if last:
+                self._reduce_bucket(bucket)
+
+    def _in_last_micro_step(self) -> bool:
+        return self.accum_steps is None or self._micro_steps + 1 >= self.accum_steps
+
+    def _reduce_bucket(self, bucket: _Bucket) -> None:
+        """This rank's window sum of ``bucket`` is final: zero the views of
+        params it got no gradient for (they hold an older window's values) and
+        hand the bucket to the reducer."""
+        for p in bucket.params:
+            if id(p) not in self._touched:
+                self._buffers[self._index[id(p)]].zero_()
+        self._reducer.ready(bucket.index)
 
     def _flush(self) -> None:
         """Fold the gradients still waiting in incomplete buckets (params that
@@ -423,7 +599,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         # A gradient the user dropped after it arrived (module.zero_grad()) is gone.
         params = [p for p in bucket.pending.values() if p.grad is not None]
         bucket.pending.clear()
-        found_inf = self._step_found_inf if self.grad_scaler is not None else None
+        found_inf = self._step_found_inf if self._check_inf else None
         scale = self._inv_loss_scale()
         for overwrite in (True, False):
             chosen = [p for p in params if (id(p) not in self._touched) == overwrite]
@@ -475,34 +651,103 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             raise RuntimeError("normalize='items': no items were counted in this window yet")
         return 1.0 / self._items
 
-    def _grad_norm(self, pending: bool = False) -> torch.Tensor:
-        touched = [self._buffers[self._index[i]] for i in self._touched]
-        if not touched:
-            return torch.zeros((), device=self.device)
-        norm = ops.grad_norm(touched, backend=self.backend)
-        scale = self._normalization(pending)
+    def _grad_norm(self, scale) -> torch.Tensor:
+        """Global L2 norm of the window's gradient times ``|scale|``; in sharded
+        mode the shards' squared norms are summed across ranks."""
+        touched = [p for p in self._params if id(p) in self._touched and self._steps_here(p)]
+        if touched:
+            norm = ops.grad_norm([self._buffer_view(p) for p in touched], backend=self.backend)
+        else:
+            norm = torch.zeros((), device=self.device)
+        if self.sharded:
+            squared = (norm * norm).reshape(1)
+            dist.all_reduce(squared, group=self.process_group)
+            norm = squared.sqrt().reshape(())
         return norm * (scale.abs() if isinstance(scale, torch.Tensor) else abs(scale))
 
     def _end_window(self) -> None:
-        grad_scale = self._normalization()
+        if self._reducer is not None:
+            grad_scale, found_inf = self._reduce_window()
+        else:
+            grad_scale = self._normalization()
+            found_inf = self._window_found_inf if self._check_inf else None
         if self.max_grad_norm is not None:
-            self.last_grad_norm = self._grad_norm()
+            self.last_grad_norm = self._grad_norm(grad_scale)
             coef = torch.clamp(self.max_grad_norm / (self.last_grad_norm + 1e-6), max=1.0)
             self._clip_coef = coef if self._clip_coef is None else torch.minimum(coef, self._clip_coef)
         if self._clip_coef is not None:
             grad_scale = self._clip_coef * grad_scale
         if isinstance(grad_scale, torch.Tensor):
             grad_scale = grad_scale.reshape(1).to(torch.float32)
-        found_inf = self._window_found_inf if self.grad_scaler is not None else None
         if self._kind == "fallback":
             self._fallback_step(grad_scale, found_inf)
         else:
             for group in self.param_groups:
-                params = [p for p in group["params"] if id(p) in self._touched]
+                params = [p for p in group["params"] if id(p) in self._touched and self._steps_here(p)]
                 if params:
                     self._step_group(group, params, grad_scale, found_inf)
+        if self.sharded:
+            self._gather_params()
         self._windows += 1
         self._clear_window()
+
+    def _reduce_window(self):
+        """Sum the window across ranks: launch the buckets not launched during
+        backward, then one float64 all-reduce of [inf flag, items, micro-steps,
+        a got-a-gradient mask over params]. Leaves ``_touched`` as the union over
+        ranks; returns the global normalization and inf flag (device tensors)."""
+        if self._windows == 0:
+            self._refuse_ddp()  # a DDP module made after the wrapper
+        for bucket in self._buckets:
+            if not self._reducer.is_launched(bucket.index):
+                self._reduce_bucket(bucket)
+        flag = self._window_found_inf if self._check_inf else torch.zeros(1, device=self.device)
+        items = self._items if isinstance(self._items, torch.Tensor) else torch.tensor(float(self._items))
+        head = torch.stack(
+            [
+                flag.reshape(()).to(self.device, torch.float64),
+                items.reshape(()).to(self.device, torch.float64),
+                torch.tensor(float(self._micro_steps), dtype=torch.float64, device=self.device),
+            ]
+        )
+        mask = torch.tensor([float(id(p) in self._touched) for p in self._params], dtype=torch.float64)
+        meta = torch.cat([head, mask.to(self.device)])
+        work = dist.all_reduce(meta, group=self.process_group, async_op=True)
+        self._reducer.finish()
+        work.wait()
+        union = meta[3:].cpu()  # the host sync: which params the step updates
+        self._touched = {id(p) for p, got in zip(self._params, union.tolist()) if got > 0}
+        found_inf = (meta[0:1] > 0).to(torch.float32)
+        if self.grad_scaler is not None:
+            self._report_to_scaler(found_inf)
+        if self.normalize == "sum":
+            scale = 1.0
+        else:
+            scale = meta[2:3] if self.normalize == "mean" else meta[1:2]
+            scale = scale.reciprocal().to(torch.float32)
+        return scale, (found_inf if self._check_inf else None)
+
+    def _gather_params(self) -> None:
+        """Sharded mode, after the step: every bucket's updated params travel in
+        the bucket's own memory, now free (fp32, or viewed as the params' common
+        16-bit dtype), all-gathered in place, then copied into the params."""
+        staging = []
+        for b in self._buckets:
+            region = self._flat[b.start : b.end]
+            if b.gather_dtype != torch.float32:
+                region = region.view(b.gather_dtype)[: b.end - b.start]
+            for p in b.params:
+                if id(p) in self._shard:
+                    lo, hi = self._shard[id(p)]
+                    at = self._offset[id(p)] - b.start
+                    region[at + lo : at + hi].copy_(self._param_view(p))
+            staging.append(region)
+        self._reducer.gather_params(staging)
+        for b, region in zip(self._buckets, staging):
+            for p in b.params:
+                if id(p) in self._touched:
+                    at = self._offset[id(p)] - b.start
+                    _flat_view(p).copy_(region[at : at + p.numel()])
 
     def _clear_window(self) -> None:
         self._touched.clear()
@@ -531,11 +776,13 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 self._adam(group, subset, masters, grad_scale, found_inf)
 
     def _state_like(self, p, key):
-        """The fp32 state tensor ``key`` of ``p``, created as zeros (laid out like p) if missing."""
+        """The fp32 state tensor ``key`` of ``p`` (of its shard, in sharded mode),
+        created as zeros laid out like what is stepped if missing."""
+        like = self._param_view(p)
         state = self.state[p]
         value = state.get(key)
-        if value is None or value.dtype != torch.float32 or value.device != p.device or value.stride() != p.stride():
-            fresh = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+        if value is None or value.dtype != torch.float32 or value.device != like.device or value.stride() != like.stride():
+            fresh = torch.zeros_like(like, dtype=torch.float32, memory_format=torch.preserve_format)
             if value is not None:
                 fresh.copy_(value)
             state[key] = value = fresh
@@ -552,8 +799,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 continue
             chosen = [params[i] for i in index]
             ops.sgd_step_and_zero_(
-                chosen,
-                [self._buffers[self._index[id(p)]] for p in chosen],
+                [self._param_view(p) for p in chosen],
+                [self._buffer_view(p) for p in chosen],
                 [self._state_like(p, "momentum_buffer") for p in chosen] if momentum else None,
                 lr=self._number(group["lr"]),
                 momentum=momentum,
@@ -583,8 +830,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             steps.append(step)
         fn = ops.adamw_step_and_zero_ if adamw else ops.adam_step_and_zero_
         fn(
-            params,
-            [self._buffers[self._index[id(p)]] for p in params],
+            [self._param_view(p) for p in params],
+            [self._buffer_view(p) for p in params],
             [self._state_like(p, "exp_avg") for p in params],
             [self._state_like(p, "exp_avg_sq") for p in params],
             steps,

@@ -1,0 +1,255 @@
+"""The process side of tests/test_distributed.py: scenarios run by every rank of
+a gloo group (torch.multiprocessing.spawn), each returning what the test checks.
+
+Every rank draws its own micro-batches from a generator seeded by (seed, window,
+rank, micro-step); the single-process reference draws the same W*N micro-batches
+and takes one big step on the mean (or item-weighted mean) of their losses.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+import accumkernels as ak
+
+ADAM_EPS = 1e-4  # see tests/test_optimizer.py: keeps Adam's noise-level elements below 1e-5
+N_MICRO = 3
+WINDOWS = 3
+BUCKET_MB = 0.0005  # ~500 bytes: the toy model spans several buckets
+
+
+class Net(nn.Module):
+    """An MLP with LayerNorm, plus a head only odd ranks use: the params that get
+    a gradient differ between ranks. The head comes first, so its params land
+    in the last bucket (buckets run in reverse param order)."""
+
+    def __init__(self, dtype=torch.float32) -> None:
+        super().__init__()
+        torch.manual_seed(1234)
+        self.side = nn.Linear(12, 3)
+        self.body = nn.Sequential(nn.Linear(12, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 3))
+        self.to(dtype)
+
+    def loss(self, x, y, use_side: bool, reduction: str = "mean"):
+        out = self.body(x.to(self.side.weight.dtype))
+        if use_side:
+            out = out + self.side(x.to(self.side.weight.dtype))
+        return F.mse_loss(out.float(), y, reduction=reduction)
+
+
+def micro_batch(seed: int, window: int, rank: int, micro: int, varying: bool):
+    g = torch.Generator().manual_seed(seed * 1_000_003 + window * 10_007 + rank * 101 + micro)
+    n = int(torch.randint(2, 9, (1,), generator=g)) if varying else 4
+    return torch.randn(n, 12, generator=g), torch.randn(n, 3, generator=g)
+
+
+def make_optimizer(name: str, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-3)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=ADAM_EPS)
+
+
+def reference(cfg, world: int) -> list[torch.Tensor]:
+    """One process, one big step per window on all ranks' micro-batches."""
+    model = Net()
+    opt = make_optimizer(cfg["optimizer"], model.parameters())
+    for w in range(WINDOWS):
+        opt.zero_grad()
+        total, items = 0.0, 0
+        for r in range(world):
+            for m in range(N_MICRO):
+                x, y = micro_batch(cfg["seed"], w, r, m, cfg.get("normalize") == "items")
+                if cfg.get("normalize") == "items":
+                    total = total + model.loss(x, y, r % 2 == 1, reduction="sum")
+                    items += y.numel()
+                else:
+                    total = total + model.loss(x, y, r % 2 == 1)
+        (total / (items if cfg.get("normalize") == "items" else world * N_MICRO)).backward()
+        if cfg.get("clip"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def wrapped(cfg, model):
+    return ak.AccumulatingOptimizer(
+        make_optimizer(cfg["optimizer"], model.parameters()),
+        accum_steps=N_MICRO,
+        normalize=cfg.get("normalize", "mean"),
+        max_grad_norm=cfg.get("clip"),
+        master_weights=cfg.get("master_weights", False),
+        skip_nonfinite=cfg.get("skip_nonfinite", False),
+        grad_scaler=cfg.get("scaler"),
+        bucket_cap_mb=BUCKET_MB,
+        backend=cfg["backend"],
+        sharded=cfg.get("sharded", False),
+        wire_dtype=cfg.get("wire_dtype", torch.float32),
+    )
+
+
+def micro_step(cfg, model, opt, w, m, rank, poison=False, counters=None):
+    """One micro-batch: forward, backward, step (``counters``: a CollectiveCounter
+    for the backward and one for the step)."""
+    backward_counter, step_counter = counters or (CollectiveCounter(), CollectiveCounter())
+    items = cfg.get("normalize") == "items"
+    x, y = micro_batch(cfg["seed"], w, rank, m, items)
+    loss = model.loss(x, y, rank % 2 == 1, reduction="sum" if items else "mean")
+    if poison:
+        loss = loss * float("inf")
+    scaler = cfg.get("scaler")
+    with backward_counter:
+        (scaler.scale(loss) if scaler else loss).backward()
+    with step_counter:
+        _step(cfg, opt, y, items)
+    opt.zero_grad()
+
+
+def _step(cfg, opt, y, items):
+    scaler = cfg.get("scaler")
+    if scaler:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step(num_items=y.numel() if items else None)
+
+
+def params_of(model):
+    return [p.detach().float().clone() for p in model.parameters()]
+
+
+def parity(cfg, rank, world):
+    """W ranks x N micro-steps against one process with the W*N micro-batches."""
+    model = Net()
+    opt = wrapped(cfg, model)
+    for w in range(WINDOWS):
+        for m in range(N_MICRO):
+            micro_step(cfg, model, opt, w, m, rank)
+    out = {"params": params_of(model), "buckets": len(opt._buckets)}
+    if rank == 0:
+        out["reference"] = reference(cfg, world)
+    return out
+
+
+class CollectiveCounter:
+    """Counts torch.distributed collectives (by name) and the bytes handed to them."""
+
+    NAMES = ("all_reduce", "reduce_scatter_single", "reduce_scatter_tensor", "all_gather_single",
+             "all_gather_into_tensor", "all_to_all_single")
+
+    def __init__(self):
+        self.calls = Counter()
+        self.bytes = 0
+        self._saved = {}
+
+    def total(self) -> int:
+        return sum(self.calls.values())
+
+    def __enter__(self):
+        for name in self.NAMES:
+            if hasattr(dist, name):
+                original = self._saved[name] = getattr(dist, name)
+                setattr(dist, name, self._counting(name, original))
+        return self
+
+    def _counting(self, name, original):
+        def call(*args, **kwargs):
+            self.calls[name] += 1
+            self.bytes += args[1].numel() * args[1].element_size() if name != "all_reduce" else (
+                args[0].numel() * args[0].element_size())
+            return original(*args, **kwargs)
+
+        return call
+
+    def __exit__(self, *exc):
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+
+def count(cfg, rank, world):
+    """Collectives issued by each micro-step of two windows, and how many of them
+    were launched during the backward."""
+    model = Net()
+    opt = wrapped(cfg, model)
+    per_micro, in_backward = [], []
+    for w in range(2):
+        for m in range(N_MICRO):
+            counters = CollectiveCounter(), CollectiveCounter()
+            micro_step(cfg, model, opt, w, m, rank, counters=counters)
+            per_micro.append(dict(counters[0].calls + counters[1].calls))
+            in_backward.append(counters[0].total())
+    side = {id(p) for p in model.side.parameters()}
+    side_buckets = sum(any(id(p) in side for p in b.params) for b in opt._buckets)
+    return {"per_micro": per_micro, "in_backward": in_backward, "buckets": len(opt._buckets),
+            "side_buckets": side_buckets}
+
+
+def inf_skip(cfg, rank, world):
+    """Rank 1 poisons one micro-batch of window 1: every rank skips that window."""
+    model = Net()
+    opt = wrapped(cfg, model)
+    after = []
+    for w in range(3):
+        for m in range(N_MICRO):
+            micro_step(cfg, model, opt, w, m, rank, poison=(w == 1 and m == 1 and rank == 1))
+        after.append(params_of(model))
+    scaler = cfg.get("scaler")
+    return {"after": after, "scale": None if scaler is None else float(scaler.get_scale())}
+
+
+def resume(cfg, rank, world):
+    """Checkpoint mid-window (window 1, after micro-step 1), run on; then load the
+    checkpoint into a fresh model and wrapper and run the same steps."""
+    model = Net(cfg.get("dtype", torch.float32))
+    opt = wrapped(cfg, model)
+    saved = None
+    for w in range(WINDOWS):
+        for m in range(N_MICRO):
+            micro_step(cfg, model, opt, w, m, rank)
+            if (w, m) == (1, 1):
+                saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    straight = params_of(model)
+
+    model = Net(cfg.get("dtype", torch.float32))
+    opt = wrapped(cfg, model)
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    for w in range(1, WINDOWS):
+        for m in range(2 if w == 1 else 0, N_MICRO):
+            micro_step(cfg, model, opt, w, m, rank)
+    return {"straight": straight, "resumed": params_of(model), "micro_steps_saved": saved[1]["accumkernels"]["micro_steps"]}
+
+
+def ddp_refused(cfg, rank, world):
+    model = Net()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    try:
+        wrapped(cfg, ddp.module)
+    except RuntimeError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+SCENARIOS = {"parity": parity, "count": count, "inf_skip": inf_skip, "resume": resume, "ddp_refused": ddp_refused}
+
+
+def main(rank: int, world: int, init_file: str, out_dir: str, cases: dict) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        results = {}
+        for key, cfg in cases.items():
+            cfg = dict(cfg)
+            if cfg.pop("with_scaler", False):
+                cfg["scaler"] = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+            results[key] = SCENARIOS[cfg["scenario"]](cfg, rank, world)
+            dist.barrier()
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,182 @@
+"""AccumulatingOptimizer across processes (gloo on the CPU): W ranks of N
+micro-steps equal one process stepping on the W*N micro-batches, in all-reduce
+and sharded mode; one collective per bucket per window and none on the other
+micro-steps; an inf on one rank skips the window everywhere; resume mid-window.
+
+The scenarios run in tests/distributed_worker.py: one spawn of 2 ranks and one
+of 4 run every case (process start-up dominates), and the tests below check
+what each rank returned.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import accumkernels as ak
+import distributed_worker as worker
+from conftest import NATIVE_SKIPPED, SEED
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+
+BACKEND = "reference" if NATIVE_SKIPPED else "cpu"
+PARITY = {
+    f"{mode}-{opt}": dict(scenario="parity", optimizer=opt, sharded=(mode == "sharded"), clip=clip)
+    for mode in ("allreduce", "sharded")
+    for opt, clip in (("adamw", 0.5), ("sgd", None))
+}
+CASES_2 = {
+    **PARITY,
+    "allreduce-items": dict(scenario="parity", optimizer="adamw", normalize="items"),
+    "sharded-items": dict(scenario="parity", optimizer="sgd", normalize="items", sharded=True, clip=0.5),
+    "allreduce-bf16wire": dict(scenario="parity", optimizer="sgd", wire_dtype=torch.bfloat16),
+    "sharded-bf16wire": dict(scenario="parity", optimizer="sgd", wire_dtype=torch.bfloat16, sharded=True),
+    "count-allreduce": dict(scenario="count", optimizer="adamw"),
+    "count-sharded": dict(scenario="count", optimizer="adamw", sharded=True),
+    "count-sharded-clip": dict(scenario="count", optimizer="adamw", sharded=True, clip=0.5),
+    "count-allreduce-bf16wire": dict(scenario="count", optimizer="sgd", wire_dtype=torch.bfloat16),
+    "inf-allreduce": dict(scenario="inf_skip", optimizer="adamw", skip_nonfinite=True),
+    "inf-sharded-scaler": dict(scenario="inf_skip", optimizer="adamw", sharded=True, with_scaler=True),
+    "resume-allreduce": dict(scenario="resume", optimizer="adamw", clip=0.5),
+    "resume-sharded-bf16-master": dict(
+        scenario="resume", optimizer="adamw", sharded=True, dtype=torch.bfloat16, master_weights=True
+    ),
+    "ddp": dict(scenario="ddp_refused", optimizer="sgd"),
+}
+CASES_4 = PARITY
+
+
+def spawn(world: int, cases: dict) -> list[dict]:
+    cases = {k: dict(v, seed=SEED % 2**20, backend=BACKEND) for k, v in cases.items()}
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(worker.main, args=(world, os.path.join(tmp, "init"), tmp, cases), nprocs=world)
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {2: spawn(2, CASES_2), 4: spawn(4, CASES_4)}
+
+
+def rel_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(
+        ((x.double() - y.double()).abs().max() / y.double().abs().max().clamp_min(1e-12)).item() for x, y in zip(a, b)
+    )
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", list(PARITY))
+def test_ranks_equal_single_process_big_batch(runs, world, case):
+    ranks = runs[world]
+    results = [r[case] for r in ranks]
+    assert results[0]["buckets"] > 2  # the toy model spans several buckets
+    for r in results[1:]:
+        assert same(r["params"], results[0]["params"])  # every rank holds the same params
+    assert rel_diff(results[0]["params"], results[0]["reference"]) <= 1e-5
+
+
+@pytest.mark.parametrize("case", ["allreduce-items", "sharded-items"])
+def test_items_are_summed_across_ranks(runs, case):
+    results = [r[case] for r in runs[2]]
+    assert same(results[1]["params"], results[0]["params"])
+    assert rel_diff(results[0]["params"], results[0]["reference"]) <= 1e-5
+
+
+@pytest.mark.parametrize("mode", ["allreduce", "sharded"])
+def test_bf16_wire_rounds_each_contribution_once(runs, mode):
+    results = [r[f"{mode}-bf16wire"] for r in runs[2]]
+    assert same(results[1]["params"], results[0]["params"])
+    diff = rel_diff(results[0]["params"], results[0]["reference"])
+    # bf16 carries 8 significant bits: a few 2^-9 roundings per window, far
+    # below fp32 noise would mean the wire was not bf16 at all.
+    assert 1e-6 < diff <= 2e-2, diff
+
+
+CANONICAL = {
+    "all_reduce": "all_reduce",
+    "reduce_scatter_single": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_gather_single": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "all_to_all_single": "all_to_all",
+}
+
+
+def test_one_collective_per_bucket_per_window(runs):
+    for rank in runs[2]:
+        for case, per_bucket, extra in (
+            ("count-allreduce", {"all_reduce": 1}, {"all_reduce": 1}),  # + the window's flags/counts
+            ("count-sharded", {"reduce_scatter": 1, "all_gather": 1}, {"all_reduce": 1}),
+            ("count-sharded-clip", {"reduce_scatter": 1, "all_gather": 1}, {"all_reduce": 2}),  # + norm
+            ("count-allreduce-bf16wire", {"all_to_all": 1, "all_gather": 1}, {"all_reduce": 1}),
+        ):
+            result = rank[case]
+            buckets = result["buckets"]
+            for i, calls in enumerate(result["per_micro"]):
+                if (i + 1) % worker.N_MICRO:
+                    assert calls == {}, (case, i, calls)  # no communication inside a window
+                    continue
+                merged = {}
+                for name, n in calls.items():
+                    merged[CANONICAL[name]] = merged.get(CANONICAL[name], 0) + n
+                expected = {k: v * buckets for k, v in per_bucket.items()}
+                for k, v in extra.items():
+                    expected[k] = expected.get(k, 0) + v
+                assert merged == expected, (case, i, merged, expected)
+
+
+def test_buckets_are_reduced_during_the_last_backward(runs):
+    """Bucket collectives are launched during the last micro-step's backward as
+    soon as a bucket and all before it are complete: on rank 1 (every param gets
+    a gradient) all of them; on rank 0 all but the last buckets, which hold the
+    head rank 0 never uses and are launched by step()."""
+    for rank, results in enumerate(runs[2]):
+        result = results["count-allreduce"]
+        buckets, side = result["buckets"], result["side_buckets"]
+        assert 0 < side < buckets
+        expected = buckets if rank % 2 else buckets - side
+        assert result["in_backward"] == [0, 0, expected] * 2
+
+
+@pytest.mark.parametrize("case", ["inf-allreduce", "inf-sharded-scaler"])
+def test_inf_on_one_rank_skips_the_window_on_all(runs, case):
+    results = [r[case] for r in runs[2]]
+    for r in results:
+        before, skipped, after = r["after"]
+        assert same(skipped, before)  # window 1 (rank 1 saw an inf) left every param as it was
+        assert not same(after, skipped)  # window 2 stepped
+        assert same(r["after"][2], results[0]["after"][2])
+    if case.endswith("scaler"):  # every rank's scaler backed off once, together
+        assert [r["scale"] for r in results] == [2.0**9, 2.0**9]
+
+
+@pytest.mark.parametrize("case", ["resume-allreduce", "resume-sharded-bf16-master"])
+def test_resume_mid_window_with_two_ranks(runs, case):
+    for r in runs[2]:
+        result = r[case]
+        assert result["micro_steps_saved"] == 2
+        assert same(result["resumed"], result["straight"])  # bitwise
+
+
+def test_ddp_module_is_refused(runs):
+    for r in runs[2]:
+        assert r["ddp"]["error"] is not None and "DistributedDataParallel" in r["ddp"]["error"]
+
+
+def test_distributed_options_need_a_process_group():
+    model = torch.nn.Linear(3, 3)
+    with pytest.raises(ValueError, match="sharded=True and wire_dtype need torch.distributed"):
+        ak.AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), sharded=True)
+    with pytest.raises(ValueError, match="wire_dtype must be"):
+        ak.AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), wire_dtype=torch.float16)
+    with pytest.raises(ValueError, match="process_group was given"):
+        ak.AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), process_group=object())
