@@ -663,7 +663,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             squared = (norm * norm).reshape(1)
             dist.all_reduce(squared, group=self.process_group)
             norm = squared.sqrt().reshape(())
-        return norm * (scale.abs() if isinstance(scale, torch.Tensor) else abs(scale))
+        return (norm * (scale.abs() if isinstance(scale, torch.Tensor) else abs(scale))).reshape(())
 
     def _end_window(self) -> None:
         if self._reducer is not None:

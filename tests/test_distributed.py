@@ -10,8 +10,12 @@ what each rank returned.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -180,3 +184,48 @@ def test_distributed_options_need_a_process_group():
         ak.AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), wire_dtype=torch.float16)
     with pytest.raises(ValueError, match="process_group was given"):
         ak.AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), process_group=object())
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def torchrun(args: list[str]) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(ROOT / "examples" / "train_gpt_distributed.py"), *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def test_example_runs_under_torchrun_and_resumes_mid_window(tmp_path):
+    """The example script, 2 ranks, sharded: a run that checkpoints mid-window,
+    then a restart from that checkpoint logs the same windows."""
+    args = ["--windows", "6", "--width", "32", "--ctx", "16", "--micro-batch", "2", "--sharded",
+            "--checkpoint", str(tmp_path)]  # fmt: skip
+    first = torchrun(args)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.pt", "rank1.pt"]
+    second = torchrun(args)
+    assert "resumed at micro-step 13 (1 into a window)" in second
+    last = [line for line in first.splitlines() if line.startswith("window")][-1]
+    assert last.startswith("window    6") and last == [line for line in second.splitlines() if line.startswith("window")][-1]
+
+
+def test_distributed_benchmark_quick_mode(native_only, tmp_path):
+    """`python -m bench.distributed --quick`: correctness first, then the table."""
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.distributed", "--quick", "--results-dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["path"]: r for r in json.loads((tmp_path / "distributed-cpu-quick.json").read_text())["rows"]}
+    assert set(rows) == {"ddp-no_sync", "ours-allreduce", "ours-sharded", "ours-allreduce-bf16wire"}
+    for path in ("ddp-no_sync", "ours-sharded"):
+        assert rows[path]["update_rel_error_vs_ours_allreduce"] <= 1e-5
+    assert 1e-6 < rows["ours-allreduce-bf16wire"]["update_rel_error_vs_ours_allreduce"] <= 2e-2
+    assert rows["ours-allreduce"]["collectives"]["all_reduce"] >= 2  # buckets + the window's flags
+    # sharding halves the optimizer state per rank (2 ranks); a bf16 wire halves the bytes sent
+    assert rows["ours-sharded"]["state_mib_per_rank"] < 0.6 * rows["ours-allreduce"]["state_mib_per_rank"]
+    assert rows["ours-allreduce-bf16wire"]["sent_mib"] < 0.6 * rows["ours-allreduce"]["sent_mib"]
+    assert all(r["window_ms"] > 0 for r in rows.values())

@@ -1,0 +1,258 @@
+"""Distributed accumulation: AccumulatingOptimizer against DDP with no_sync().
+
+`python -m bench.distributed [--quick]` spawns W processes (default 2; NCCL on
+W GPUs if there are that many, else gloo on the CPU) that train the repo's
+GPT-style model (bf16 params, AdamW) for windows of N micro-batches, on the same
+data, along four paths:
+
+- ``ddp-no_sync``: what users write today: ``DistributedDataParallel``, the
+  loss divided by N, ``no_sync()`` on the first N-1 micro-batches (bf16 ``.grad``
+  accumulation), ``step()``, ``zero_grad()``;
+- ``ours-allreduce``, ``ours-sharded``, ``ours-allreduce-bf16wire``: the wrapper.
+
+Correctness first: after one window from the same weights the paths' params
+are compared (the bf16 params differ by rounding only). Then per path: the
+median time per window (rank 0, interleaved rounds, a barrier before each
+window), the payload handed to collectives per window and rank (DDP: counted by
+a comm hook; ours: by wrapping the torch.distributed calls) with the bytes each
+rank sends under the ring model (all-reduce 2(W-1)/W of the payload,
+reduce-scatter, all-gather and all-to-all (W-1)/W), and the optimizer state per
+rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from . import common
+from .models import GPT
+
+PATHS = ("ddp-no_sync", "ours-allreduce", "ours-sharded", "ours-allreduce-bf16wire")
+# Bytes a rank sends per payload byte under the ring algorithms, W ranks.
+RING = {
+    "all_reduce": lambda w: 2 * (w - 1) / w,
+    "reduce_scatter": lambda w: (w - 1) / w,
+    "all_gather": lambda w: (w - 1) / w,
+    "all_to_all": lambda w: (w - 1) / w,
+}
+
+
+class CollectiveCounter:
+    """Counts the torch.distributed collectives called inside it (by kind) and
+    the payload bytes handed to them (an all-gather's payload is its output)."""
+
+    KIND = {
+        "all_reduce": "all_reduce",
+        "reduce_scatter_single": "reduce_scatter",
+        "reduce_scatter_tensor": "reduce_scatter",
+        "all_gather_single": "all_gather",
+        "all_gather_into_tensor": "all_gather",
+        "all_to_all_single": "all_to_all",
+    }
+
+    def __init__(self) -> None:
+        self.calls: Counter = Counter()
+        self.payload: Counter = Counter()
+        self._saved: dict = {}
+
+    def total(self) -> int:
+        return sum(self.calls.values())
+
+    def sent_bytes(self, world: int) -> float:
+        return sum(RING[kind](world) * n for kind, n in self.payload.items())
+
+    def __enter__(self):
+        for name in self.KIND:
+            if hasattr(dist, name):
+                original = self._saved[name] = getattr(dist, name)
+                setattr(dist, name, self._counting(name, original))
+        return self
+
+    def _counting(self, name, original):
+        kind = self.KIND[name]
+
+        def call(*args, **kwargs):
+            tensor = args[0] if kind in ("all_reduce", "all_gather") else args[1]
+            self.calls[kind] += 1
+            self.payload[kind] += tensor.numel() * tensor.element_size()
+            return original(*args, **kwargs)
+
+        return call
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+
+def _micro_batch(window: int, rank: int, micro: int, batch: int, ctx: int, device):
+    g = torch.Generator().manual_seed(window * 1000 + rank * 100 + micro)
+    tokens = torch.randint(0, 256, (batch, ctx + 1), generator=g).to(device)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _state_mib(opt) -> float:
+    return sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)) / 2**20
+
+
+def _worker(rank: int, world: int, init_file: str, cfg: dict, out: str) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    import accumkernels as ak
+
+    cuda = cfg["device"] == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(cfg["threads"])
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    n_micro, batch, ctx = cfg["n_micro"], cfg["micro_batch"], cfg["ctx"]
+
+    def make_paths(dtype, make_opt):
+        """path -> (model, window(w), optimizer, counter of window 0's collectives)."""
+        paths = {}
+        torch.manual_seed(0)
+        model = GPT(d=cfg["d"], layers=cfg["layers"], heads=4, ctx=ctx).to(device, dtype)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        ddp_counter = CollectiveCounter()  # filled by the hook: DDP's reducer calls no Python collective
+
+        def counting_hook(state, bucket):  # DDP's default all-reduce, counted
+            if state["window"] == 0:
+                ddp_counter.calls["all_reduce"] += 1
+                ddp_counter.payload["all_reduce"] += bucket.buffer().numel() * bucket.buffer().element_size()
+            return default_hooks.allreduce_hook(None, bucket)
+
+        hook_state = {"window": 0}
+        ddp.register_comm_hook(hook_state, counting_hook)
+        opt = make_opt(model.parameters())
+
+        def ddp_window(w):
+            hook_state["window"] = w
+            for m in range(n_micro):
+                x, y = _micro_batch(w, rank, m, batch, ctx, device)
+                if m < n_micro - 1:
+                    with ddp.no_sync():
+                        (_ddp_loss(ddp, x, y) / n_micro).backward()
+                else:
+                    (_ddp_loss(ddp, x, y) / n_micro).backward()
+            opt.step()
+            opt.zero_grad()
+
+        paths["ddp-no_sync"] = [model, ddp_window, opt, ddp_counter]
+        for path, kwargs in (("ours-allreduce", {}), ("ours-sharded", {"sharded": True}),
+                             ("ours-allreduce-bf16wire", {"wire_dtype": torch.bfloat16})):  # fmt: skip
+            torch.manual_seed(0)
+            model = GPT(d=cfg["d"], layers=cfg["layers"], heads=4, ctx=ctx).to(device, dtype)
+            wrapper = ak.AccumulatingOptimizer(make_opt(model.parameters()), accum_steps=n_micro, **kwargs)
+
+            def window(w, model=model, wrapper=wrapper):
+                for m in range(n_micro):
+                    x, y = _micro_batch(w, rank, m, batch, ctx, device)
+                    model.loss(x, y).backward()
+                    wrapper.step()
+                    wrapper.zero_grad()
+
+            paths[path] = [model, window, wrapper, None]
+        for path, entry in paths.items():  # window 0, counting our collectives
+            if path == "ddp-no_sync":
+                entry[1](0)
+            else:
+                with CollectiveCounter() as entry[3]:
+                    entry[1](0)
+        return paths
+
+    # Correctness first: fp32 copies, SGD with lr=1 for one window, so each
+    # path's param change is minus its global mean gradient; compared with ours-allreduce.
+    check = make_paths(torch.float32, lambda params: torch.optim.SGD(params, lr=1.0))
+    torch.manual_seed(0)
+    initial = [p.detach().double() for p in GPT(d=cfg["d"], layers=cfg["layers"], heads=4, ctx=ctx).parameters()]
+    base = [p.detach().double().cpu() - i for p, i in zip(check["ours-allreduce"][0].parameters(), initial)]
+    agree = {}
+    for path, (model, *_rest) in check.items():
+        delta = [p.detach().double().cpu() - i for p, i in zip(model.parameters(), initial)]
+        err = sum(((d - b) ** 2).sum() for d, b in zip(delta, base)).sqrt() / sum((b**2).sum() for b in base).sqrt()
+        agree[path] = err.item()
+    del check
+
+    runs = make_paths(torch.bfloat16, lambda params: torch.optim.AdamW(params, lr=1e-3))
+    times = {path: [] for path in runs}
+    for w in range(1, 1 + cfg["warmup"] + cfg["reps"]):
+        for path, (model, window, *_rest) in runs.items():
+            dist.barrier()
+            common.synchronize(device)
+            t0 = time.perf_counter()
+            window(w)
+            common.synchronize(device)
+            if w > cfg["warmup"]:
+                times[path].append(time.perf_counter() - t0)
+    if rank == 0:
+        rows = []
+        for path, (model, window, opt_, counter) in runs.items():
+            rows.append({
+                "path": path, "world": world, "n_micro": n_micro,
+                "params": sum(p.numel() for p in model.parameters()),
+                "window_ms": statistics.median(times[path]) * 1e3,
+                "payload_mib": sum(counter.payload.values()) / 2**20, "sent_mib": counter.sent_bytes(world) / 2**20,
+                "collectives": dict(counter.calls),
+                "state_mib_per_rank": _state_mib(opt_),
+                "update_rel_error_vs_ours_allreduce": agree[path],
+            })  # fmt: skip
+        torch.save(rows, out)
+    dist.destroy_process_group()
+
+
+def _ddp_loss(ddp, x, y):
+    """GPT.loss through DDP's forward (which arms its reducer)."""
+    logits = ddp(x)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def run(device_type: str, quick: bool, world: int = 2) -> list[dict]:
+    if device_type == "cuda" and torch.cuda.device_count() < world:
+        print(f"  {torch.cuda.device_count()} GPU(s) for {world} ranks: the distributed benchmark runs on the CPU (gloo)")
+        device_type = "cpu"
+    cfg = dict(device=device_type, n_micro=4, micro_batch=4 if quick else 8, ctx=64, d=64 if quick else 256,
+               layers=2 if quick else 4, warmup=1, reps=3 if quick else 7,
+               threads=max(1, (os.cpu_count() or 2) // world))  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.pt")
+        mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), cfg, out), nprocs=world)
+        rows = torch.load(out, weights_only=False)
+    for r in rows:
+        r["device"] = device_type
+    return rows
+
+
+TABLE = [("path", "path", "s"), ("window_ms", "ms/window", ".1f"), ("payload_mib", "payload MiB", ".2f"),
+         ("sent_mib", "sent MiB (ring)", ".2f"), ("state_mib_per_rank", "opt state MiB/rank", ".2f"),
+         ("update_rel_error_vs_ours_allreduce", "update vs ours-allreduce", ".1e")]  # fmt: skip
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if enough GPUs, else cpu)")
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--results-dir", default=None)
+    args = parser.parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.device_count() >= args.world else "cpu")
+    rows = run(device, args.quick, args.world)
+    record = common.machine_record(torch.device(rows[0]["device"]))
+    name = f"distributed-{rows[0]['device']}{'-quick' if args.quick else ''}"
+    path = common.write_results(name, {"machine": record, "quick": args.quick, "rows": rows}, args.results_dir)
+    print(common.table(rows, TABLE))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
