@@ -12,7 +12,9 @@ step-and-zero op, with normalization, loss-scale skip and clipping folded into
 
 from __future__ import annotations
 
+import functools
 import gc
+import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -40,6 +42,17 @@ class _Bucket:
         dtypes = {p.dtype for p in params}
         # sharded mode all-gathers updated params in their own dtype when they share one
         self.gather_dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+
+
+def _on_grad_weak(ref, param: torch.Tensor) -> None:
+    wrapper = ref()
+    if wrapper is not None:
+        wrapper._on_grad(param)
+
+
+def _remove_hooks(handles) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def _flat_view(p: torch.Tensor) -> torch.Tensor:
@@ -163,8 +176,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             raise ValueError(f"bucket_cap_mb must be > 0; got {bucket_cap_mb!r}")
         if wire_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"wire_dtype must be torch.float32 or torch.bfloat16; got {wire_dtype!r}")
-        group = self._resolve_group(process_group)
-        if group is None and (sharded or wire_dtype != torch.float32):
+        distributed = self._distributed(process_group)
+        if not distributed and (sharded or wire_dtype != torch.float32):
             raise ValueError(
                 "sharded=True and wire_dtype need torch.distributed: initialize it or pass process_group"
             )
@@ -205,18 +218,20 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._index = {id(p): i for i, p in enumerate(self._params)}
 
         # Distributed: the group, and this rank's share of every bucket.
-        self.process_group = group
-        self.world_size = 1 if group is None else dist.get_world_size(group)
-        self.rank = 0 if group is None else dist.get_rank(group)
+        # None means the default group, looked up at each call (the wrapper
+        # does not keep the world group alive past destroy_process_group()).
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group) if distributed else 1
+        self.rank = dist.get_rank(process_group) if distributed else 0
         self.sharded = sharded and self.world_size > 1
-        if group is not None:
+        if distributed:
             self._refuse_ddp()
         self._buffers, self._flat, self._buckets, self._bucket_of, self._offset = self._make_buffers(bucket_cap_mb)
         self._reducer = None
         self._shard: dict[int, tuple[int, int]] = {}  # id(param) -> [lo, hi) of its elements this rank steps
         if self.world_size > 1:
             self._reducer = BucketReducer(
-                group, self._flat, [(b.start, b.end) for b in self._buckets], self.sharded, wire_dtype
+                process_group, self._flat, [(b.start, b.end) for b in self._buckets], self.sharded, wire_dtype
             )
             if self.sharded:
                 for b in self._buckets:
@@ -245,7 +260,11 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self.last_grad_norm: torch.Tensor | None = None
         self.window_stepped = False  # True right after the step() call that ended a window
 
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params if p.requires_grad]
+        # The hooks reach the wrapper through a weak reference: no cycle through
+        # the params, so a dropped wrapper (and its buffers) is freed at once.
+        hook = functools.partial(_on_grad_weak, weakref.ref(self))
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in self._params if p.requires_grad]
+        weakref.finalize(self, _remove_hooks, self._hooks)
 
     # ---- torch.optim.Optimizer interface -----------------------------------
 
@@ -428,14 +447,13 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     # ---- internals: set-up -------------------------------------------------
 
     @staticmethod
-    def _resolve_group(process_group):
-        if process_group is None:
-            if dist.is_available() and dist.is_initialized():
-                return dist.group.WORLD
-            return None
-        if not (dist.is_available() and dist.is_initialized()):
+    def _distributed(process_group) -> bool:
+        """Whether to reduce across processes: torch.distributed is initialized
+        (the default group) or a group was given."""
+        initialized = dist.is_available() and dist.is_initialized()
+        if process_group is not None and not initialized:
             raise ValueError("process_group was given but torch.distributed is not initialized")
-        return process_group
+        return initialized
 
     def _refuse_ddp(self) -> None:
         if _ddp_modules_holding(self._params):

@@ -207,6 +207,7 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict, out: str) -> None:
                 "update_rel_error_vs_ours_allreduce": agree[path],
             })  # fmt: skip
         torch.save(rows, out)
+    dist.barrier()  # see examples/train_gpt_distributed.py: gloo's teardown race
     dist.destroy_process_group()
 
 

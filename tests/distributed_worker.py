@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import os
-from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -18,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import accumkernels as ak
+from bench.distributed import CollectiveCounter
 
 ADAM_EPS = 1e-4  # see tests/test_optimizer.py: keeps Adam's noise-level elements below 1e-5
 N_MICRO = 3
@@ -137,41 +137,6 @@ def parity(cfg, rank, world):
     return out
 
 
-class CollectiveCounter:
-    """Counts torch.distributed collectives (by name) and the bytes handed to them."""
-
-    NAMES = ("all_reduce", "reduce_scatter_single", "reduce_scatter_tensor", "all_gather_single",
-             "all_gather_into_tensor", "all_to_all_single")
-
-    def __init__(self):
-        self.calls = Counter()
-        self.bytes = 0
-        self._saved = {}
-
-    def total(self) -> int:
-        return sum(self.calls.values())
-
-    def __enter__(self):
-        for name in self.NAMES:
-            if hasattr(dist, name):
-                original = self._saved[name] = getattr(dist, name)
-                setattr(dist, name, self._counting(name, original))
-        return self
-
-    def _counting(self, name, original):
-        def call(*args, **kwargs):
-            self.calls[name] += 1
-            self.bytes += args[1].numel() * args[1].element_size() if name != "all_reduce" else (
-                args[0].numel() * args[0].element_size())
-            return original(*args, **kwargs)
-
-        return call
-
-    def __exit__(self, *exc):
-        for name, original in self._saved.items():
-            setattr(dist, name, original)
-
-
 def count(cfg, rank, world):
     """Collectives issued by each micro-step of two windows, and how many of them
     were launched during the backward."""
@@ -251,5 +216,6 @@ def main(rank: int, world: int, init_file: str, out_dir: str, cases: dict) -> No
             results[key] = SCENARIOS[cfg["scenario"]](cfg, rank, world)
             dist.barrier()
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # see examples/train_gpt_distributed.py: gloo's teardown race
     finally:
         dist.destroy_process_group()

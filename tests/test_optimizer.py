@@ -465,3 +465,24 @@ def test_stochastic_rounding_excludes_master_weights():
     with pytest.raises(ValueError, match="exclude"):
         ak.AccumulatingOptimizer(torch.optim.SGD(mlp().parameters(), lr=0.1), master_weights=True,
                                  stochastic_rounding=True)  # fmt: skip
+
+
+def test_a_dropped_wrapper_is_freed_and_unhooked():
+    """The grad hooks hold the wrapper weakly: dropping it frees it (and its
+    buffers) at once, and the model trains on with plain .grad afterwards."""
+    import gc
+    import weakref
+
+    model = mlp()
+    opt = ak.AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accum_steps=2)
+    x, y = data(8)
+    F.mse_loss(model(x), y).backward()
+    gc.disable()
+    try:
+        ref = weakref.ref(opt)
+        del opt
+        assert ref() is None
+    finally:
+        gc.enable()
+    F.mse_loss(model(x), y).backward()
+    assert all(p.grad is not None for p in model.parameters())
