@@ -352,6 +352,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         i = self._index.get(id(param))
         if i is None:
             raise ValueError("param is not one of the wrapped optimizer's params")
+        self._refuse_during_reduction("accumulated_grad()")
         self._flush()
         if id(param) not in self._touched:
             return torch.zeros_like(param, dtype=torch.float32)
@@ -383,6 +384,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         """The wrapped optimizer's state dict (loadable by the plain optimizer),
         plus an ``"accumkernels"`` entry with the in-window state: buffers,
         micro-step and item counts, inf flags, master weights."""
+        self._refuse_during_reduction("state_dict()")
         self._flush()
         sd = self.optimizer.state_dict()
         sd["accumkernels"] = {
@@ -582,6 +584,13 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             self._fold(bucket)
             if last:
                 self._reduce_bucket(bucket)
+
+    def _refuse_during_reduction(self, what: str) -> None:
+        if self._reducer is not None and self._reducer.started:
+            raise RuntimeError(
+                f"{what} between the window's last backward and step(): the buffers are being reduced across "
+                "ranks in place; call it before that backward or after step()"
+            )
 
     def _in_last_micro_step(self) -> bool:
         return self.accum_steps is None or self._micro_steps + 1 >= self.accum_steps

@@ -9,6 +9,7 @@ and takes one big step on the mean (or item-weighted mean) of their losses.
 from __future__ import annotations
 
 import copy
+import datetime
 import os
 
 import torch
@@ -201,12 +202,41 @@ def ddp_refused(cfg, rank, world):
     return {"error": None}
 
 
-SCENARIOS = {"parity": parity, "count": count, "inf_skip": inf_skip, "resume": resume, "ddp_refused": ddp_refused}
+def misuse(cfg, rank, world):
+    """What the wrapper refuses in the window's last micro-step, after its
+    backward has launched the reductions: reading the buffers, a second backward;
+    and clip_grad_norm_() in distributed runs at all."""
+    model = Net()
+    opt = wrapped(cfg, model)
+    errors = {}
+    for m in range(N_MICRO - 1):
+        micro_step(cfg, model, opt, 0, m, rank)
+    x, y = micro_batch(cfg["seed"], 0, rank, N_MICRO - 1, False)
+    model.loss(x, y, True).backward()
+    for name, call in (
+        ("state_dict", opt.state_dict),
+        ("accumulated_grad", lambda: opt.accumulated_grad(model.side.weight)),
+        ("clip_grad_norm_", lambda: opt.clip_grad_norm_(1.0)),
+        ("second_backward", lambda: model.loss(x, y, True).backward()),
+    ):
+        try:
+            call()
+            errors[name] = None
+        except RuntimeError as e:
+            errors[name] = str(e)
+    opt.step()  # the window still completes on every rank
+    return {"errors": errors, "micro_steps": opt.micro_steps}
+
+
+SCENARIOS = {"parity": parity, "count": count, "inf_skip": inf_skip, "resume": resume, "ddp_refused": ddp_refused,
+             "misuse": misuse}
 
 
 def main(rank: int, world: int, init_file: str, out_dir: str, cases: dict) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    # A bounded timeout: a test that desynchronizes the ranks fails instead of hanging CI.
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
     try:
         results = {}
         for key, cfg in cases.items():

@@ -51,6 +51,7 @@ CASES_2 = {
         scenario="resume", optimizer="adamw", sharded=True, dtype=torch.bfloat16, master_weights=True
     ),
     "ddp": dict(scenario="ddp_refused", optimizer="sgd"),
+    "misuse": dict(scenario="misuse", optimizer="sgd"),
 }
 CASES_4 = PARITY
 
@@ -161,6 +162,16 @@ def test_resume_mid_window_with_two_ranks(runs, case):
 def test_ddp_module_is_refused(runs):
     for r in runs[2]:
         assert r["ddp"]["error"] is not None and "DistributedDataParallel" in r["ddp"]["error"]
+
+
+def test_misuse_during_the_reduction_is_refused(runs):
+    for r in runs[2]:
+        errors = r["misuse"]["errors"]
+        for name in ("state_dict", "accumulated_grad"):
+            assert "being reduced across ranks" in errors[name], errors[name]
+        assert "max_grad_norm=" in errors["clip_grad_norm_"]
+        assert "cross-rank reduction has already started" in errors["second_backward"]
+        assert r["misuse"]["micro_steps"] == 0  # the window ended
 
 
 def test_distributed_options_need_a_process_group():
