@@ -202,6 +202,23 @@ def ddp_refused(cfg, rank, world):
     return {"error": None}
 
 
+def modes_agree(cfg, rank, world):
+    """bf16 params with an fp32 LayerNorm (buckets of one dtype gather in it,
+    mixed ones in fp32), master weights: all-reduce and sharded mode step the
+    same elements with the same math on the same sums."""
+    out = {}
+    for sharded in (False, True):
+        model = Net(torch.bfloat16)
+        model.body[1].float()
+        opt = wrapped(dict(cfg, sharded=sharded, master_weights=True), model)
+        for w in range(WINDOWS):
+            for m in range(N_MICRO):
+                micro_step(cfg, model, opt, w, m, rank)
+        out["sharded" if sharded else "allreduce"] = params_of(model)
+        out["gather_dtypes"] = sorted({str(b.gather_dtype) for b in opt._buckets})
+    return out
+
+
 def misuse(cfg, rank, world):
     """What the wrapper refuses in the window's last micro-step, after its
     backward has launched the reductions: reading the buffers, a second backward;
@@ -229,7 +246,7 @@ def misuse(cfg, rank, world):
 
 
 SCENARIOS = {"parity": parity, "count": count, "inf_skip": inf_skip, "resume": resume, "ddp_refused": ddp_refused,
-             "misuse": misuse}
+             "misuse": misuse, "modes_agree": modes_agree}
 
 
 def main(rank: int, world: int, init_file: str, out_dir: str, cases: dict) -> None:

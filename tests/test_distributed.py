@@ -52,6 +52,7 @@ CASES_2 = {
     ),
     "ddp": dict(scenario="ddp_refused", optimizer="sgd"),
     "misuse": dict(scenario="misuse", optimizer="sgd"),
+    "modes-agree": dict(scenario="modes_agree", optimizer="adamw"),
 }
 CASES_4 = PARITY
 
@@ -162,6 +163,14 @@ def test_resume_mid_window_with_two_ranks(runs, case):
 def test_ddp_module_is_refused(runs):
     for r in runs[2]:
         assert r["ddp"]["error"] is not None and "DistributedDataParallel" in r["ddp"]["error"]
+
+
+def test_sharded_equals_allreduce_bitwise_with_mixed_dtypes(runs):
+    for r in runs[2]:
+        result = r["modes-agree"]
+        assert result["gather_dtypes"] == ["torch.bfloat16", "torch.float32"]  # both gather paths ran
+        assert same(result["sharded"], result["allreduce"])
+    assert same(runs[2][0]["modes-agree"]["sharded"], runs[2][1]["modes-agree"]["sharded"])
 
 
 def test_misuse_during_the_reduction_is_refused(runs):
