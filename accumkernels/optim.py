@@ -67,7 +67,9 @@ def _ddp_modules_holding(params) -> list:
     return [
         obj
         for obj in gc.get_objects()
-        if isinstance(obj, DistributedDataParallel) and any(id(p) in ids for p in obj.module.parameters())
+        # type(), not isinstance(): the latter reads __class__, which warns on
+        # deprecated proxies such as torch.distributed.reduce_op
+        if issubclass(type(obj), DistributedDataParallel) and any(id(p) in ids for p in obj.module.parameters())
     ]
 
 
