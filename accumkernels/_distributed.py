@@ -119,7 +119,7 @@ class BucketReducer:
         """All-gather every bucket's ``staging`` tensor (length end - start, in
         place: this rank's chunk is its input), all launched before any wait."""
         works = []
-        for index, tensor in enumerate(staging):
+        for tensor in staging:
             s = tensor.numel() // self.world
             works.append(_all_gather(tensor, tensor[self.rank * s : (self.rank + 1) * s], self.group))
         for work in works:

@@ -10,8 +10,9 @@ data, along four paths:
   accumulation), ``step()``, ``zero_grad()``;
 - ``ours-allreduce``, ``ours-sharded``, ``ours-allreduce-bf16wire``: the wrapper.
 
-Correctness first: after one window from the same weights the paths' params
-are compared (the bf16 params differ by rounding only). Then per path: the
+Correctness first: fp32 copies of the model take one SGD window with lr = 1
+from the same weights, so each path's update is minus its global mean
+gradient; each is compared with ours-allreduce's. Then per path: the
 median time per window (rank 0, interleaved rounds, a barrier before each
 window), the payload handed to collectives per window and rank (DDP: counted by
 a comm hook; ours: by wrapping the torch.distributed calls) with the bytes each
@@ -36,7 +37,12 @@ import torch.multiprocessing as mp
 from . import common
 from .models import GPT
 
-PATHS = ("ddp-no_sync", "ours-allreduce", "ours-sharded", "ours-allreduce-bf16wire")
+# The wrapper's paths and the options that make them.
+OURS = {
+    "ours-allreduce": {},
+    "ours-sharded": {"sharded": True},
+    "ours-allreduce-bf16wire": {"wire_dtype": torch.bfloat16},
+}
 # Bytes a rank sends per payload byte under the ring algorithms, W ranks.
 RING = {
     "all_reduce": lambda w: 2 * (w - 1) / w,
@@ -117,11 +123,15 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict, out: str) -> None:
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     n_micro, batch, ctx = cfg["n_micro"], cfg["micro_batch"], cfg["ctx"]
 
+    def new_model(dtype):
+        """The same initial weights for every path."""
+        torch.manual_seed(0)
+        return GPT(d=cfg["d"], layers=cfg["layers"], heads=4, ctx=ctx).to(device, dtype)
+
     def make_paths(dtype, make_opt):
         """path -> (model, window(w), optimizer, counter of window 0's collectives)."""
         paths = {}
-        torch.manual_seed(0)
-        model = GPT(d=cfg["d"], layers=cfg["layers"], heads=4, ctx=ctx).to(device, dtype)
+        model = new_model(dtype)
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         ddp_counter = CollectiveCounter()  # filled by the hook: DDP's reducer calls no Python collective
 
@@ -148,10 +158,8 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict, out: str) -> None:
             opt.zero_grad()
 
         paths["ddp-no_sync"] = [model, ddp_window, opt, ddp_counter]
-        for path, kwargs in (("ours-allreduce", {}), ("ours-sharded", {"sharded": True}),
-                             ("ours-allreduce-bf16wire", {"wire_dtype": torch.bfloat16})):  # fmt: skip
-            torch.manual_seed(0)
-            model = GPT(d=cfg["d"], layers=cfg["layers"], heads=4, ctx=ctx).to(device, dtype)
+        for path, kwargs in OURS.items():
+            model = new_model(dtype)
             wrapper = ak.AccumulatingOptimizer(make_opt(model.parameters()), accum_steps=n_micro, **kwargs)
 
             def window(w, model=model, wrapper=wrapper):
@@ -173,8 +181,7 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict, out: str) -> None:
     # Correctness first: fp32 copies, SGD with lr=1 for one window, so each
     # path's param change is minus its global mean gradient; compared with ours-allreduce.
     check = make_paths(torch.float32, lambda params: torch.optim.SGD(params, lr=1.0))
-    torch.manual_seed(0)
-    initial = [p.detach().double() for p in GPT(d=cfg["d"], layers=cfg["layers"], heads=4, ctx=ctx).parameters()]
+    initial = [p.detach().double().cpu() for p in new_model(torch.float32).parameters()]
     base = [p.detach().double().cpu() - i for p, i in zip(check["ours-allreduce"][0].parameters(), initial)]
     agree = {}
     for path, (model, *_rest) in check.items():
