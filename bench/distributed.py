@@ -214,8 +214,9 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict, out: str) -> None:
                 "update_rel_error_vs_ours_allreduce": agree[path],
             })  # fmt: skip
         torch.save(rows, out)
-    dist.barrier()  # see examples/train_gpt_distributed.py: gloo's teardown race
+    dist.barrier()  # every rank past its last collective before any leaves
     dist.destroy_process_group()
+    common.exit_skipping_teardown(0)
 
 
 def _ddp_loss(ddp, x, y):

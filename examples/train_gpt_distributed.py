@@ -27,6 +27,7 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo's bench.models
 
 import accumkernels as ak  # noqa: E402
+from bench.common import exit_skipping_teardown  # noqa: E402
 from bench.models import GPT  # noqa: E402
 
 VOCAB, PAD = 256, -100
@@ -122,13 +123,11 @@ def main() -> int:
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "generator": g.get_state(),
                         "step": step}, path)  # fmt: skip
-    # Every rank past its last collective before any tears the group down: with
-    # gloo (torch 2.13), destroying right after the last collective aborted a
-    # peer in about 1 run of 5 here; never with the barrier.
-    dist.barrier()
+    dist.barrier()  # every rank past its last collective before any leaves
     dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # Not raise SystemExit: gloo's threads can abort Python's teardown (see exit_skipping_teardown).
+    exit_skipping_teardown(main())

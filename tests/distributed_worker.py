@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import accumkernels as ak
+from bench.common import exit_skipping_teardown
 from bench.distributed import CollectiveCounter
 
 ADAM_EPS = 1e-4  # see tests/test_optimizer.py: keeps Adam's noise-level elements below 1e-5
@@ -263,6 +264,7 @@ def main(rank: int, world: int, init_file: str, out_dir: str, cases: dict) -> No
             results[key] = SCENARIOS[cfg["scenario"]](cfg, rank, world)
             dist.barrier()
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()  # see examples/train_gpt_distributed.py: gloo's teardown race
+        dist.barrier()  # every rank past its last collective before any leaves
     finally:
         dist.destroy_process_group()
+    exit_skipping_teardown(0)  # only on success: an exception above reaches mp.spawn
