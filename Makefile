@@ -21,7 +21,7 @@ NATIVE_SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
 $(VENV)/.deps:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH)" ninja pytest numpy matplotlib "setuptools>=64" wheel
+	$(PY) -m pip install --quiet "$(TORCH)" ninja pytest numpy matplotlib "setuptools>=77" wheel
 	if $(PY) -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)"; then \
 		$(PY) -m pip install --quiet cuda-bindings; fi
 	touch $@

@@ -1,10 +1,13 @@
-"""Cross-rank reduction of AccumulatingOptimizer's flat fp32 buffer, once per window.
+"""Cross-rank reduction of AccumulatingOptimizer's flat fp32 buffer, once per
+window, and the window's cross-rank bookkeeping.
 
 Each bucket is a contiguous slice ``flat[start:end]`` whose length is a multiple
 of the world size W, so rank r's shard of it is ``flat[start + r*s : start + (r+1)*s]``
-with ``s = (end - start) / W``. Buckets are launched strictly in index order (every
-rank must issue the same collectives in the same order), each as soon as it and all
-before it are ready; ``finish()`` waits for them.
+with ``s = (end - start) / W`` (accumkernels._layout). Buckets are launched
+strictly in index order (every rank must issue the same collectives in the same
+order), each as soon as it and all before it are ready; ``finish()`` waits for
+them. ``sync_window`` then sums the window's counts and flags over ranks in one
+small all-reduce.
 
 Collectives per bucket and window (torch.distributed only, NCCL or gloo):
 
@@ -24,8 +27,13 @@ shard is rounded to bf16 once more to be gathered.
 
 from __future__ import annotations
 
+import gc
+
 import torch
 import torch.distributed as dist
+
+from ._layout import Bucket, Layout, flat_view
+from ._window import Window
 
 
 def _reduce_scatter(output, input, group):
@@ -41,12 +49,14 @@ def _all_gather(output, input, group):
 class BucketReducer:
     """Launches and completes the per-bucket collectives of one window."""
 
-    def __init__(self, group, flat: torch.Tensor, ranges: list[tuple[int, int]], sharded: bool, wire_dtype) -> None:
+    def __init__(self, group, layout: Layout, window: Window, sharded: bool, wire_dtype) -> None:
+        self.window = window
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.flat = flat
-        self.ranges = ranges
+        self.layout = layout
+        self.flat = layout.flat
+        self.ranges = [(b.start, b.end) for b in layout.buckets]
         self.sharded = sharded
         self.wire_dtype = wire_dtype
         self._ready: set[int] = set()
@@ -57,8 +67,8 @@ class BucketReducer:
     def started(self) -> bool:
         return bool(self._ready)
 
-    def is_launched(self, index: int) -> bool:
-        return index < self._next
+    def launched(self, bucket: Bucket) -> bool:
+        return bucket.index < self._next
 
     def shard(self, index: int) -> tuple[int, int]:
         """This rank's [lo, hi) slice of bucket ``index`` in the flat buffer."""
@@ -66,10 +76,13 @@ class BucketReducer:
         s = (end - start) // self.world
         return start + self.rank * s, start + (self.rank + 1) * s
 
-    def ready(self, index: int) -> None:
-        """Bucket ``index`` holds this rank's whole window sum: launch it and
-        every ready bucket after it, in order."""
-        self._ready.add(index)
+    def __call__(self, bucket: Bucket) -> None:
+        """``bucket`` holds this rank's whole window sum: launch it and every
+        ready bucket after it, in order. Views of params that got no gradient in
+        the window still hold an older window's values: zeroed first."""
+        window = self.window
+        self.layout.zero_views(r for r in bucket.records if r.index not in window.touched)
+        self._ready.add(bucket.index)
         while self._next < len(self.ranges) and self._next in self._ready:
             self._launch(self._next)
             self._next += 1
@@ -115,12 +128,81 @@ class BucketReducer:
         self._next = 0
         self._launched.clear()
 
-    def gather_params(self, staging: list[torch.Tensor]) -> None:
-        """All-gather every bucket's ``staging`` tensor (length end - start, in
-        place: this rank's chunk is its input), all launched before any wait."""
-        works = []
-        for tensor in staging:
-            s = tensor.numel() // self.world
-            works.append(_all_gather(tensor, tensor[self.rank * s : (self.rank + 1) * s], self.group))
+    def launch_remaining(self) -> None:
+        """At step(): launch the buckets the last backward left incomplete."""
+        for bucket in self.layout.buckets:
+            if not self.launched(bucket):
+                self(bucket)
+
+    def sync_window(self, check_inf: bool):
+        """Sum the window over ranks: launch the buckets not launched during
+        backward, then one float64 all-reduce of [inf flag, items, micro-steps,
+        a got-a-gradient mask over params] while they complete. Leaves
+        ``window.touched`` as the union over ranks (the mask is read on the
+        host: the one host sync of a distributed window); returns the global
+        inf flag and the global item and micro-step counts (device tensors)."""
+        window, device = self.window, self.flat.device
+        self.launch_remaining()
+        flag = window.found_inf if check_inf else torch.zeros(1, device=device)
+        items = window.items if isinstance(window.items, torch.Tensor) else torch.tensor(float(window.items))
+        head = torch.stack([
+            flag.reshape(()).to(device, torch.float64),
+            items.reshape(()).to(device, torch.float64),
+            torch.tensor(float(window.micro_steps), dtype=torch.float64, device=device),
+        ])  # fmt: skip
+        mask = torch.zeros(len(self.layout), dtype=torch.float64)
+        mask[sorted(window.touched)] = 1.0
+        meta = torch.cat([head, mask.to(device)])
+        work = dist.all_reduce(meta, group=self.group, async_op=True)
+        self.finish()
+        work.wait()
+        union = meta[3:].cpu()
+        window.touched = set(union.nonzero().flatten().tolist())
+        return (meta[0:1] > 0).to(torch.float32), meta[1:2], meta[2:3]
+
+    def global_squared_norm(self, local: torch.Tensor) -> torch.Tensor:
+        """Sharded mode: the shards' squared norms summed over ranks."""
+        squared = local.reshape(1).clone()
+        dist.all_reduce(squared, group=self.group)
+        return squared.reshape(())
+
+    def gather_params(self) -> None:
+        """Sharded mode, after the step: every bucket's updated params travel in
+        the bucket's own memory, now free (fp32, or viewed as the params' common
+        16-bit dtype), all-gathered in place, then copied into the params.
+        All gathers are launched before any wait."""
+        touched = self.window.touched
+        staging, works = [], []
+        for b in self.layout.buckets:
+            region = self.flat[b.start : b.end]
+            if b.gather_dtype != torch.float32:
+                region = region.view(b.gather_dtype)[: b.end - b.start]
+            for r in b.records:
+                if r.stepped_here:
+                    lo, hi = r.shard
+                    at = r.offset - b.start
+                    region[at + lo : at + hi].copy_(r.param_view())
+            s = region.numel() // self.world
+            works.append(_all_gather(region, region[self.rank * s : (self.rank + 1) * s], self.group))
+            staging.append(region)
         for work in works:
             work.wait()
+        for b, region in zip(self.layout.buckets, staging):
+            for r in b.records:
+                if r.index in touched:
+                    at = r.offset - b.start
+                    flat_view(r.param).copy_(region[at : at + r.numel])
+
+
+def ddp_modules_holding(params) -> list:
+    """The DistributedDataParallel modules (anywhere in this process) that hold any of ``params``."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = {id(p) for p in params}
+    return [
+        obj
+        for obj in gc.get_objects()
+        # type(), not isinstance(): the latter reads __class__, which warns on
+        # deprecated proxies such as torch.distributed.reduce_op
+        if issubclass(type(obj), DistributedDataParallel) and any(id(p) in ids for p in obj.module.parameters())
+    ]

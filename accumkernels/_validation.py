@@ -96,6 +96,22 @@ def scale_argument(op: str, value, name: str, device: torch.device | None) -> tu
     return float(value), None
 
 
+def positions_argument(op: str, positions, count: int) -> list[int]:
+    """Stochastic rounding stream ids: None (each tensor's place in the list)
+    or one int in [0, 2**32) per tensor; returned as a list ([] for None)."""
+    if positions is None:
+        return []
+    if isinstance(positions, torch.Tensor) or not isinstance(positions, Sequence):
+        raise TypeError(f"{op}: positions must be None or a list of ints; got {type(positions).__name__}")
+    out = list(positions)
+    if len(out) != count:
+        raise ValueError(f"{op}: positions has {len(out)} entries; expected one per param ({count})")
+    for i, p in enumerate(out):
+        if isinstance(p, bool) or not isinstance(p, numbers.Integral) or not 0 <= p < 2**32:
+            raise ValueError(f"{op}: positions[{i}] must be an int in [0, 2**32); got {p!r}")
+    return [int(p) for p in out]
+
+
 def check_scalar_tensor(op: str, t, name: str, device: torch.device) -> None:
     if t is None:
         return
@@ -113,11 +129,13 @@ def check_number(op: str, value, name: str, *, low: float | None = None, high: f
                  high_inclusive: bool = True) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{op}: {name} must be a float; got {type(value).__name__}")
-    v = float(value)
-    if v != v or (low is not None and v < low) or (high is not None and (v > high or (v == high and not high_inclusive))):
-        upper = "" if high is None else f" and {'<=' if high_inclusive else '<'} {high}"
-        raise ValueError(f"{op}: {name} must be >= {low}{upper}; got {value}")
-    return v
+    x = float(value)
+    if x != x or (low is not None and x < low) or (high is not None and (x > high or (x == high and not high_inclusive))):
+        bounds = ([f">= {low}"] if low is not None else []) + (
+            [f"{'<=' if high_inclusive else '<'} {high}"] if high is not None else []
+        )
+        raise ValueError(f"{op}: {name} must be a number{' ' + ' and '.join(bounds) if bounds else ''}; got {value}")
+    return x
 
 
 def check_disjoint(op: str, written: dict, read: dict) -> None:

@@ -17,23 +17,6 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def exit_skipping_teardown(code: int = 0) -> None:
-    """End a process that used gloo without Python's interpreter teardown.
-
-    With torch 2.13 and 2.14 a gloo worker thread can still be releasing the
-    last collective's work (and the tensor in it, whose Python object it then
-    frees) while the interpreter finalizes: it asks for the GIL, CPython ends
-    the thread, and the process aborts with "terminate called without an active
-    exception" (about 1 run in 5 of the example here; gdb: ~AsyncWork ->
-    decref_pyobject -> take_gil -> pthread_exit). A barrier before
-    destroy_process_group() made it rarer, not impossible. Everything must be
-    saved before; stdout and stderr are flushed here.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -28,14 +28,14 @@ import os
 import statistics
 import tempfile
 import time
-from collections import Counter
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from accumkernels.testing import GPT, CollectiveCounter, exit_skipping_teardown
+
 from . import common
-from .models import GPT
 
 # The wrapper's paths and the options that make them.
 OURS = {
@@ -43,62 +43,6 @@ OURS = {
     "ours-sharded": {"sharded": True},
     "ours-allreduce-bf16wire": {"wire_dtype": torch.bfloat16},
 }
-# Bytes a rank sends per payload byte under the ring algorithms, W ranks.
-RING = {
-    "all_reduce": lambda w: 2 * (w - 1) / w,
-    "reduce_scatter": lambda w: (w - 1) / w,
-    "all_gather": lambda w: (w - 1) / w,
-    "all_to_all": lambda w: (w - 1) / w,
-}
-
-
-class CollectiveCounter:
-    """Counts the torch.distributed collectives called inside it (by kind) and
-    the payload bytes handed to them (an all-gather's payload is its output)."""
-
-    KIND = {
-        "all_reduce": "all_reduce",
-        "reduce_scatter_single": "reduce_scatter",
-        "reduce_scatter_tensor": "reduce_scatter",
-        "all_gather_single": "all_gather",
-        "all_gather_into_tensor": "all_gather",
-        "all_to_all_single": "all_to_all",
-    }
-
-    def __init__(self) -> None:
-        self.calls: Counter = Counter()
-        self.payload: Counter = Counter()
-        self._saved: dict = {}
-
-    def total(self) -> int:
-        return sum(self.calls.values())
-
-    def sent_bytes(self, world: int) -> float:
-        return sum(RING[kind](world) * n for kind, n in self.payload.items())
-
-    def __enter__(self):
-        for name in self.KIND:
-            if hasattr(dist, name):
-                original = self._saved[name] = getattr(dist, name)
-                setattr(dist, name, self._counting(name, original))
-        return self
-
-    def _counting(self, name, original):
-        kind = self.KIND[name]
-
-        def call(*args, **kwargs):
-            tensor = args[0] if kind in ("all_reduce", "all_gather") else args[1]
-            self.calls[kind] += 1
-            self.payload[kind] += tensor.numel() * tensor.element_size()
-            return original(*args, **kwargs)
-
-        return call
-
-    def __exit__(self, *exc) -> None:
-        for name, original in self._saved.items():
-            setattr(dist, name, original)
-
-
 def _micro_batch(window: int, rank: int, micro: int, batch: int, ctx: int, device):
     g = torch.Generator().manual_seed(window * 1000 + rank * 100 + micro)
     tokens = torch.randint(0, 256, (batch, ctx + 1), generator=g).to(device)
@@ -216,7 +160,7 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict, out: str) -> None:
         torch.save(rows, out)
     dist.barrier()  # every rank past its last collective before any leaves
     dist.destroy_process_group()
-    common.exit_skipping_teardown(0)
+    exit_skipping_teardown(0)
 
 
 def _ddp_loss(ddp, x, y):

@@ -29,7 +29,6 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 PATHS = ("plain-bf16", "plain-autocast", "ours-bf16", "ours-bf16-master")
 SIZES = {  # name: (d_model, layers); small enough for the default run to fit in minutes on 2 cores
@@ -75,7 +74,7 @@ def _sync(device):
 def run_one(cfg: dict) -> dict:
     """One (path, model, N, micro-batch) measurement, in this process."""
     import accumkernels as ak
-    from bench.models import GPT
+    from accumkernels.testing import GPT
 
     device = torch.device(cfg["device"])
     path, n_micro, micro_batch, ctx, windows = cfg["path"], cfg["n_micro"], cfg["micro_batch"], 64, cfg["windows"]

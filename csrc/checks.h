@@ -10,20 +10,9 @@
 #include <initializer_list>
 #include <optional>
 
-#include "accumkernels/formulas.h"
+#include <c10/util/ArrayRef.h>
 
 namespace accumkernels {
-
-inline Dtype storage_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kBFloat16:
-      return Dtype::kBFloat16;
-    case at::kHalf:
-      return Dtype::kFloat16;
-    default:
-      return Dtype::kFloat32;
-  }
-}
 
 inline void check_length(const char* op, at::TensorList list, const char* name, size_t expected,
                          const char* reason) {
@@ -110,6 +99,33 @@ inline void check_stochastic_rounding(const char* op, bool stochastic_rounding,
                     "weights the params are rounded copies of them)");
 }
 
+// Stream ids of stochastic rounding: none, or one per param in [0, 2^32).
+inline void check_positions(const char* op, c10::ArrayRef<int64_t> positions, size_t count) {
+  TORCH_CHECK_VALUE(positions.empty() || positions.size() == count, op, ": positions has ",
+                    positions.size(), " entries; expected none or one per param (", count, ")");
+  for (size_t i = 0; i < positions.size(); ++i) {
+    TORCH_CHECK_VALUE(positions[i] >= 0 && positions[i] < (int64_t{1} << 32), op, ": positions[",
+                      i, "] = ", positions[i], "; expected an int in [0, 2**32)");
+  }
+}
+
+// Everything accumulate_ checks before it touches memory.
+inline void check_accumulate_arguments(const char* op, at::TensorList buffers,
+                                       at::TensorList grads,
+                                       const std::optional<at::Tensor>& scale_tensor,
+                                       const std::optional<at::Tensor>& found_inf) {
+  check_length(op, grads, "grads", buffers.size(), "one grad per buffer");
+  if (buffers.empty()) return;
+  const at::Device device = buffers[0].device();
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    check_tensor(op, buffers[i], "buffers", i, device, {at::kFloat});
+    check_like(op, grads[i], "grads", i, buffers[i], "buffers",
+               {at::kFloat, at::kBFloat16, at::kHalf});
+  }
+  check_scalar_tensor(op, scale_tensor, "scale_tensor", device);
+  check_scalar_tensor(op, found_inf, "found_inf", device);
+}
+
 // Optimizer state: one fp32 tensor per param, laid out like it.
 inline void check_state(const char* op, at::TensorList state, const char* name,
                         at::TensorList params) {
@@ -123,10 +139,12 @@ inline void check_state(const char* op, at::TensorList state, const char* name,
 inline void check_sgd_arguments(const char* op, at::TensorList params, at::TensorList buffers,
                                 at::TensorList momentum_buffers, at::TensorList master_params,
                                 double momentum, bool stochastic_rounding,
+                                c10::ArrayRef<int64_t> positions,
                                 const std::optional<at::Tensor>& grad_scale_tensor,
                                 const std::optional<at::Tensor>& found_inf) {
   check_step_tensors(op, params, buffers, master_params);
   check_stochastic_rounding(op, stochastic_rounding, master_params);
+  check_positions(op, positions, params.size());
   if (momentum != 0.0) {
     check_state(op, momentum_buffers, "momentum_buffers", params);
   } else {
@@ -142,11 +160,12 @@ inline void check_adam_arguments(const char* op, at::TensorList params, at::Tens
                                  at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                                  at::TensorList max_exp_avg_sqs, at::TensorList state_steps,
                                  at::TensorList master_params, bool amsgrad,
-                                 bool stochastic_rounding,
+                                 bool stochastic_rounding, c10::ArrayRef<int64_t> positions,
                                  const std::optional<at::Tensor>& grad_scale_tensor,
                                  const std::optional<at::Tensor>& found_inf) {
   check_step_tensors(op, params, buffers, master_params);
   check_stochastic_rounding(op, stochastic_rounding, master_params);
+  check_positions(op, positions, params.size());
   check_state(op, exp_avgs, "exp_avgs", params);
   check_state(op, exp_avg_sqs, "exp_avg_sqs", params);
   if (amsgrad) {

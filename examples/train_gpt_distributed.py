@@ -17,18 +17,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo's bench.models
-
-import accumkernels as ak  # noqa: E402
-from bench.common import exit_skipping_teardown  # noqa: E402
-from bench.models import GPT  # noqa: E402
+import accumkernels as ak
+from accumkernels.testing import GPT, exit_skipping_teardown
 
 VOCAB, PAD = 256, -100
 
@@ -70,7 +66,7 @@ def main() -> int:
     if cuda:
         torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
 
     torch.manual_seed(0)  # the same initial weights on every rank

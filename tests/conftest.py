@@ -32,6 +32,16 @@ CPU_BACKENDS = ["reference"] + ([] if NATIVE_SKIPPED else ["cpu"])
 if triton_backend.unavailable_reason() is None and triton_backend.supports(torch.device("cpu")):
     CPU_BACKENDS.append("triton")
 
+# Where there are GPUs, every numeric test also runs on them: the reference,
+# the CUDA kernels and Triton, on the first device and (with several) on the
+# last one, which is never the current device. A GPU with a build that lacks
+# the CUDA kernels fails in tests/test_cuda.py rather than skipping here.
+GPU_DEVICES = [f"cuda:{i}" for i in sorted({0, torch.cuda.device_count() - 1})] if torch.cuda.is_available() else []
+GPU_BACKENDS = ["reference", "cuda", "triton"]
+TARGETS = [(name, "cpu") for name in CPU_BACKENDS] + [
+    (name, device) for device in GPU_DEVICES for name in GPU_BACKENDS if name in accumkernels.available_backends()
+]
+
 
 def pytest_report_header(config):
     return [
@@ -46,9 +56,19 @@ def _seed(request):
     torch.manual_seed(SEED ^ zlib.crc32(request.node.nodeid.encode()))
 
 
-@pytest.fixture(params=CPU_BACKENDS)
+@pytest.fixture(params=TARGETS, ids=[name if device == "cpu" else f"{name}@{device}" for name, device in TARGETS])
 def backend(request):
-    return request.param
+    """A backend name; the test's tensors are made on the backend's device
+    (torch's default device is set for the test)."""
+    name, device = request.param
+    with torch.device(device):
+        yield name
+
+
+@pytest.fixture
+def device(backend):
+    """The device the current backend's tensors live on."""
+    return torch.get_default_device()
 
 
 @pytest.fixture

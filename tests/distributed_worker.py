@@ -18,8 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import accumkernels as ak
-from bench.common import exit_skipping_teardown
-from bench.distributed import CollectiveCounter
+from accumkernels.testing import CollectiveCounter, exit_skipping_teardown
 
 ADAM_EPS = 1e-4  # see tests/test_optimizer.py: keeps Adam's noise-level elements below 1e-5
 N_MICRO = 3
@@ -133,7 +132,7 @@ def parity(cfg, rank, world):
     for w in range(WINDOWS):
         for m in range(N_MICRO):
             micro_step(cfg, model, opt, w, m, rank)
-    out = {"params": params_of(model), "buckets": len(opt._buckets)}
+    out = {"params": params_of(model), "buckets": len(opt._layout.buckets)}
     if rank == 0:
         out["reference"] = reference(cfg, world)
     return out
@@ -152,8 +151,8 @@ def count(cfg, rank, world):
             per_micro.append(dict(counters[0].calls + counters[1].calls))
             in_backward.append(counters[0].total())
     side = {id(p) for p in model.side.parameters()}
-    side_buckets = sum(any(id(p) in side for p in b.params) for b in opt._buckets)
-    return {"per_micro": per_micro, "in_backward": in_backward, "buckets": len(opt._buckets),
+    side_buckets = sum(any(id(r.param) in side for r in b.records) for b in opt._layout.buckets)
+    return {"per_micro": per_micro, "in_backward": in_backward, "buckets": len(opt._layout.buckets),
             "side_buckets": side_buckets}
 
 
@@ -216,7 +215,7 @@ def modes_agree(cfg, rank, world):
             for m in range(N_MICRO):
                 micro_step(cfg, model, opt, w, m, rank)
         out["sharded" if sharded else "allreduce"] = params_of(model)
-        out["gather_dtypes"] = sorted({str(b.gather_dtype) for b in opt._buckets})
+        out["gather_dtypes"] = sorted({str(b.gather_dtype) for b in opt._layout.buckets})
     return out
 
 

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import accumkernels as ak
-from accumkernels import _native
 
 OPS = ["accumulate_", "sgd_step_and_zero_", "adam_step_and_zero_", "adamw_step_and_zero_", "grad_norm"]
 
@@ -27,10 +26,14 @@ def _opcheck_cases():
     yield "accumulate_", (lists(), lists(torch.bfloat16), 2.0, None, False, found)
     yield "accumulate_", (lists(), lists(torch.float16), 1.0, scale, True, None)
     yield "sgd_step_and_zero_", (lists(torch.bfloat16), lists(), lists(), lists(), 0.1, 0.9, 0.0, 0.01, True,
-                                 False, False, 1.0, scale, found, True)  # fmt: skip
+                                 False, -1.0, scale, found, True, False, 0, [])  # fmt: skip
+    yield "sgd_step_and_zero_", (lists(torch.bfloat16), lists(), [], [], 0.1, 0.0, 0.0, 0.0, False,
+                                 False, 1.0, None, None, False, True, 2**32 - 1, [3, 9])  # fmt: skip
     for op in ("adam_step_and_zero_", "adamw_step_and_zero_"):
         yield op, (lists(), lists(), lists(), [t.abs() for t in lists()], [t.abs() for t in lists()], steps, [],
-                   1e-3, 0.9, 0.999, 1e-8, 0.01, True, False, 1.0, scale, found, True)  # fmt: skip
+                   1e-3, 0.9, 0.999, 1e-8, 0.01, True, -1.0, scale, found, True, False, 0, [])  # fmt: skip
+        yield op, (lists(torch.bfloat16), lists(), lists(), [t.abs() for t in lists()], [], steps, [],
+                   1e-3, 0.9, 0.999, 1e-8, 0.0, False, 1.0, None, None, False, True, 7, [1, 0])  # fmt: skip
     yield "grad_norm", (lists(),)
 
 

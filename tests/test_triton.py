@@ -1,69 +1,118 @@
 """The Triton backend beyond the numeric tests (which run it through the shared
 backend fixture, in the interpreter where there is no GPU): every kernel
-compiles for sm_90 ahead of time, and the backend is listed only where it runs."""
+variant the launchers produce compiles for sm_90 ahead of time, with 16-byte
+vector accesses where ALIGNED and no fused fp32 multiply-add; every op launches
+on its tensors' device; per-call values never recompile; the backend is listed
+only where it runs."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
-import textwrap
+from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
+import accumkernels as ak  # noqa: E402
+from accumkernels.backends import triton_backend  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
 ENV_WITHOUT_INTERPRETER = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
-AOT = textwrap.dedent(
-    """
-    import itertools
-    import triton
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from accumkernels.backends.triton import _common, accumulate, adam, grad_norm, sgd
 
-    TARGET = GPUTarget("cuda", 90, 32)
-    DTYPES = [tl.float32, tl.bfloat16, tl.float16]
-    compiled = 0
-
-    def build(fn, types, constexprs):
-        global compiled
-        signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
-        src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-        triton.compile(src, target=TARGET, options={"num_warps": _common.NUM_WARPS})
-        compiled += 1
-
-    blocks = dict(CHUNK=_common.CHUNK, BLOCK=_common.BLOCK)
-    meta = {"meta": "*i64", "T": "i64", "C": "i64"}
-    for dtype, overwrite, flags in itertools.product(DTYPES, (False, True), (False, True)):
-        build(accumulate._accumulate_kernel, {**meta, "scale": "fp32", "scale_ptr": "*fp32", "found_inf_ptr": "*fp32"},
-              dict(GRAD_DTYPE=dtype, OVERWRITE=overwrite, HAS_SCALE_TENSOR=flags, HAS_FOUND_INF=flags, **blocks))
-    build(adam._increment_steps_kernel, {"meta": "*i64", "found_inf_ptr": "*fp32"}, dict(HAS_FOUND_INF=True))
-    floats = ["eps", "weight_decay", "one_minus_beta1", "one_minus_beta2", "beta2_f", "adamw_decay", "grad_scale"]
-    for dtype, master, adamw, amsgrad in itertools.product(DTYPES, (False, True), (False, True), (False, True)):
-        build(adam._adam_kernel, {**meta, **{f: "fp32" for f in floats}, "grad_scale_ptr": "*fp32",
-                                  "found_inf_ptr": "*fp32"},
-              dict(PARAM_DTYPE=dtype, HAS_MASTER=master, ADAMW=adamw, AMSGRAD=amsgrad, WEIGHT_DECAY=True,
-                   HAS_GRAD_SCALE_TENSOR=True, HAS_FOUND_INF=True, ZERO_BUFFERS=True, **blocks))
-    floats = ["lr", "momentum", "one_minus_dampening", "weight_decay", "grad_scale"]
-    for dtype, master, momentum, nesterov in itertools.product(DTYPES, (False, True), (0, 1, 2), (False, True)):
-        build(sgd._sgd_kernel, {**meta, **{f: "fp32" for f in floats}, "grad_scale_ptr": "*fp32",
-                                "found_inf_ptr": "*fp32"},
-              dict(PARAM_DTYPE=dtype, HAS_MASTER=master, MOMENTUM=momentum, NESTEROV=nesterov, WEIGHT_DECAY=True,
-                   HAS_GRAD_SCALE_TENSOR=False, HAS_FOUND_INF=True, ZERO_BUFFERS=True, **blocks))
-    build(grad_norm._partials_kernel, {**meta, "partials_ptr": "*fp64"}, blocks)
-    build(grad_norm._finish_kernel, {"partials_ptr": "*fp64", "count": "i64", "out_ptr": "*fp32"}, dict(BLOCK=1024))
-    print("compiled", compiled)
-    """
-)
-
-
-def test_every_kernel_compiles_for_sm90():
-    out = subprocess.run([sys.executable, "-c", AOT], env=ENV_WITHOUT_INTERPRETER, capture_output=True, text=True,
-                         timeout=900)  # fmt: skip
+@pytest.fixture(scope="module")
+def compiled_variants():
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "triton_variants.py")], cwd=ROOT,
+                         env={**ENV_WITHOUT_INTERPRETER, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                         timeout=1800)  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
-    assert out.stdout.strip().startswith("compiled")
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
+def test_every_variant_compiles_for_sm90(compiled_variants):
+    import triton_variants  # tests/ is on sys.path (pytest's rootdir conftest)
+
+    expected = {v[0] for v in triton_variants.variants()}
+    assert {r["name"] for r in compiled_variants} == expected
+    assert len(expected) > 500  # every dtype x master x stochastic x flag combination
+
+
+def test_aligned_variants_use_16_byte_accesses(compiled_variants):
+    aligned = [r for r in compiled_variants if r["aligned"]]
+    assert aligned
+    scalar_only = [r["name"] for r in aligned if not any(".v4." in a for a in r["accesses"] if a.startswith("ld"))]
+    assert not scalar_only, f"aligned variants without a 16-byte load: {scalar_only[:5]}"
+    writers = [r for r in aligned if r["kernel"] != "partials"]  # grad_norm writes one partial per chunk
+    scalar_only = [r["name"] for r in writers if not any(".v4." in a for a in r["accesses"] if a.startswith("st"))]
+    assert not scalar_only, f"aligned variants without a 16-byte store: {scalar_only[:5]}"
+
+
+def test_no_fp32_contraction(compiled_variants):
+    fused = [r["name"] for r in compiled_variants if r["fma_f32"]]
+    assert not fused, f"variants with fused fp32 multiply-adds (they would round differently): {fused[:5]}"
+
+
+@pytest.mark.skipif("triton" not in ak.available_backends(), reason="triton does not run here")
+def test_every_op_launches_under_its_tensors_device(monkeypatch):
+    from accumkernels.backends.triton import _common
+
+    seen = []
+    real = _common.device_guard
+    monkeypatch.setattr(_common, "device_guard", lambda device: seen.append(device) or real(device))
+    device = torch.device("cuda", torch.cuda.device_count() - 1) if torch.cuda.is_available() else torch.device("cpu")
+    p, b = [torch.randn(40, device=device)], [torch.randn(40, device=device)]
+    ak.accumulate_(b, [torch.randn(40, device=device).bfloat16()], backend="triton")
+    ak.sgd_step_and_zero_(p, b, lr=0.1, backend="triton")
+    ak.adamw_step_and_zero_(p, b, [torch.zeros_like(p[0])], [torch.zeros_like(p[0])],
+                            [torch.zeros((), device=device)], backend="triton")  # fmt: skip
+    ak.grad_norm(b, backend="triton")
+    assert seen == [device] * 4
+
+
+NOT_SPECIALIZED = """
+from accumkernels.backends.triton import _common, accumulate, adam, grad_norm, sgd
+for kernel, per_call in [(accumulate._accumulate_kernel, {"T", "C"}), (sgd._sgd_kernel, {"T", "C", "seed"}),
+                         (adam._adam_kernel, {"T", "C", "seed"}), (adam._increment_steps_kernel, {"T"}),
+                         (grad_norm._partials_kernel, {"T", "C"}), (grad_norm._finish_kernel, {"count"})]:
+    names = {kernel.arg_names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize}
+    assert per_call <= names, (kernel.fn.__name__, per_call - names)
+# The seed's Triton type must not change with its value (i32 below 2^31, i64 above).
+assert all(-(2**31) <= _common.seed_argument(s) < 2**31 for s in (0, 1, 2**31 - 1, 2**31, 2**32 - 1))
+print("ok")
+"""
+
+
+def test_per_call_values_are_not_specialized():
+    """Tensor and chunk counts and the seed change from call to call: a
+    specialization on their value (== 1, divisible by 16, i32 or i64) would
+    compile new variants during training. Checked on the compiled (not the
+    interpreted) kernels."""
+    out = subprocess.run([sys.executable, "-c", NOT_SPECIALIZED], env=ENV_WITHOUT_INTERPRETER, capture_output=True,
+                         text=True)  # fmt: skip
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or "triton" not in ak.available_backends(), reason="needs a GPU")
+def test_a_second_call_with_other_values_hits_the_cache():
+    from accumkernels.backends.triton import sgd
+
+    def run(n, seed, lr):
+        p = [torch.randn(n, device="cuda").bfloat16()]
+        ak.sgd_step_and_zero_(p, [torch.randn(n, device="cuda")], lr=lr, stochastic_rounding=True, seed=seed,
+                              backend="triton")  # fmt: skip
+
+    run(1000, 3, 0.1)
+    compiled = sum(len(c) for c in sgd._sgd_kernel.device_caches.values()) if hasattr(
+        sgd._sgd_kernel, "device_caches") else len(sgd._sgd_kernel.cache)  # fmt: skip
+    run(4000, 2**31 + 5, 0.01)  # other numel, chunk count, seed and lr
+    after = sum(len(c) for c in sgd._sgd_kernel.device_caches.values()) if hasattr(
+        sgd._sgd_kernel, "device_caches") else len(sgd._sgd_kernel.cache)  # fmt: skip
+    assert after == compiled
 
 
 def test_listed_only_where_it_runs():
@@ -72,3 +121,9 @@ def test_listed_only_where_it_runs():
                          check=True)  # fmt: skip
     listed, has_cuda = out.stdout.split()
     assert listed == has_cuda, "without a GPU or the interpreter, triton must not be listed"
+
+
+def test_unavailable_reason_names_the_fix():
+    if triton_backend.unavailable_reason() is None:
+        pytest.skip("triton runs here")
+    assert "TRITON_INTERPRET" in triton_backend.unavailable_reason()

@@ -194,9 +194,15 @@ def test_native_ops_check_arguments_too(native_only):
         ops.accumulate_([torch.zeros(10)], [torch.zeros(11)], 1.0, None, False, None)
     with pytest.raises(TypeError, match=r"buffers\[0\]"):
         ops.accumulate_([torch.zeros(10).half()], [torch.zeros(10)], 1.0, None, False, None)
+    sgd = dict(momentum_buffers=[], master_params=[], lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.0,
+               nesterov=False, is_first_step=False, grad_scale=1.0, grad_scale_tensor=None, found_inf=None,
+               zero_buffers=True, stochastic_rounding=False, seed=0, positions=[])  # fmt: skip
     with pytest.raises(ValueError, match=r"buffers\[0\]"):
-        ops.sgd_step_and_zero_([torch.zeros(10)], [torch.zeros(9)], [], [], 0.1, 0.0, 0.0, 0.0, False, False,
-                               False, 1.0, None, None, True)  # fmt: skip
+        ops.sgd_step_and_zero_(params=[torch.zeros(10)], buffers=[torch.zeros(9)], **sgd)
+    with pytest.raises(ValueError, match="positions"):
+        ops.sgd_step_and_zero_(params=[torch.zeros(10)], buffers=[torch.zeros(10)], **{**sgd, "positions": [1, 2]})
+    with pytest.raises(ValueError, match=r"positions\[0\]"):
+        ops.sgd_step_and_zero_(params=[torch.zeros(10)], buffers=[torch.zeros(10)], **{**sgd, "positions": [-1]})
     with pytest.raises(ValueError, match="state_steps"):
         ops.adamw_step_and_zero_([torch.zeros(3)], [torch.zeros(3)], [torch.zeros(3)], [torch.zeros(3)], [], [],
-                                 [], 0.1, 0.9, 0.99, 1e-8, 0.0, False, False, 1.0, None, None, True)  # fmt: skip
+                                 [], 0.1, 0.9, 0.99, 1e-8, 0.0, False, 1.0, None, None, True, False, 0, [])  # fmt: skip

@@ -9,13 +9,35 @@ used as named or refused with the reason, never swapped for another.
 from __future__ import annotations
 
 import warnings
+from typing import Protocol
 
 import torch
 
-from . import native, reference
-from . import triton_backend
+from . import native, reference, triton_backend
 
-BACKENDS = {
+
+class Backend(Protocol):
+    """What accumkernels.ops needs of a backend. Each op takes the arguments of
+    its schema in csrc/ops.cpp by keyword, already validated, and computes the
+    formula of formulas.h; reference.py is the oracle."""
+
+    def supports(self, device: torch.device) -> bool: ...
+
+    def unavailable_reason(self) -> str | None:
+        """None if the backend runs in this process, else why not (with a fix)."""
+
+    def accumulate_(self, **args) -> None: ...
+
+    def sgd_step_and_zero_(self, **args) -> None: ...
+
+    def adam_step_and_zero_(self, **args) -> None: ...
+
+    def adamw_step_and_zero_(self, **args) -> None: ...
+
+    def grad_norm(self, **args) -> torch.Tensor: ...
+
+
+BACKENDS: dict[str, Backend] = {
     "reference": reference,
     "cpu": native.cpu,
     "cuda": native.cuda,
@@ -38,7 +60,7 @@ def available_backends() -> list[str]:
 _warned_fallback: set[str] = set()
 
 
-def resolve(name: str | None, device: torch.device):
+def resolve(name: str | None, device: torch.device) -> Backend:
     """The backend module to run on ``device``; raises if ``name`` cannot serve it."""
     if name is not None:
         if name not in BACKENDS:

@@ -13,8 +13,9 @@ from .. import _native
 
 
 class NativeBackend:
-    def __init__(self, name: str, device_type: str) -> None:
-        self.NAME = name
+    """A backend (see accumkernels.backends.Backend) whose ops are torch.ops.accumkernels.*."""
+
+    def __init__(self, device_type: str) -> None:
         self.device_type = device_type
 
     def supports(self, device: torch.device) -> bool:
@@ -30,21 +31,21 @@ class NativeBackend:
                 return "no CUDA device is available"
         return None
 
-    def accumulate_(self, *args):
-        torch.ops.accumkernels.accumulate_(*args)
+    def accumulate_(self, **args) -> None:
+        torch.ops.accumkernels.accumulate_(**args)
 
-    def sgd_step_and_zero_(self, *args):
-        torch.ops.accumkernels.sgd_step_and_zero_(*args)
+    def sgd_step_and_zero_(self, **args) -> None:
+        torch.ops.accumkernels.sgd_step_and_zero_(**args)
 
-    def adam_step_and_zero_(self, *args):
-        torch.ops.accumkernels.adam_step_and_zero_(*args)
+    def adam_step_and_zero_(self, **args) -> None:
+        torch.ops.accumkernels.adam_step_and_zero_(**args)
 
-    def adamw_step_and_zero_(self, *args):
-        torch.ops.accumkernels.adamw_step_and_zero_(*args)
+    def adamw_step_and_zero_(self, **args) -> None:
+        torch.ops.accumkernels.adamw_step_and_zero_(**args)
 
-    def grad_norm(self, *args):
-        return torch.ops.accumkernels.grad_norm(*args)
+    def grad_norm(self, **args) -> torch.Tensor:
+        return torch.ops.accumkernels.grad_norm(**args)
 
 
-cpu = NativeBackend("cpu", "cpu")
-cuda = NativeBackend("cuda", "cuda")
+cpu = NativeBackend("cpu")
+cuda = NativeBackend("cuda")

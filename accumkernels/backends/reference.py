@@ -2,17 +2,15 @@
 
 It is the fallback where no native kernel exists and the oracle the native
 backends are tested against. Each function takes the arguments of the op's
-schema (csrc/ops.cpp), already validated by accumkernels.ops, and states the
-formula of csrc/include/accumkernels/formulas.h with tensor ops. Nothing here
-synchronizes with the host: found_inf and the scale tensors are used on the
-device.
+schema (csrc/ops.cpp) by keyword, already validated by accumkernels.ops, and
+states the formula of csrc/include/accumkernels/formulas.h with tensor ops.
+Nothing here synchronizes with the host: found_inf and the scale tensors are
+used on the device.
 """
 
 from __future__ import annotations
 
 import torch
-
-NAME = "reference"
 
 
 def supports(device: torch.device) -> bool:
@@ -29,10 +27,8 @@ def _math_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
-def _effective_scale(scale: float, scale_tensor: torch.Tensor | None, negate: bool = False):
+def _effective_scale(scale: float, scale_tensor: torch.Tensor | None):
     """scale * scale_tensor (fp32, on the device) or the plain float."""
-    if negate:
-        scale = -scale
     if scale_tensor is None:
         return scale
     return scale_tensor.reshape(()) * scale
@@ -47,7 +43,7 @@ def _commit(dst: torch.Tensor, new: torch.Tensor, skip: torch.Tensor | None) -> 
     dst.copy_(new if skip is None else torch.where(skip, dst, new.to(dst.dtype)))
 
 
-def accumulate_(buffers, grads, scale, scale_tensor, overwrite, found_inf):
+def accumulate_(*, buffers, grads, scale, scale_tensor, overwrite, found_inf):
     """buffer = (0 if overwrite else buffer) + scale * float32(grad)."""
     s = _effective_scale(scale, scale_tensor)
     for buffer, grad in zip(buffers, grads):
@@ -67,12 +63,12 @@ def _weights(param, master):
 _M32 = 0xFFFFFFFF
 
 
-def _sr_random(seed: int, tensor: int, index: torch.Tensor) -> torch.Tensor:
+def sr_random(seed: int, stream: int, index: torch.Tensor) -> torch.Tensor:
     """formulas.h's sr_random with int64 tensor ops kept to 32 bits."""
     x = ((index & _M32) * 0x9E3779B1) & _M32
     x = x ^ ((((index >> 32) & _M32) * 0x85EBCA77) & _M32)
     x = x ^ (((seed & _M32) * 0xC2B2AE3D) & _M32)
-    x = x ^ (((tensor & _M32) * 0x27D4EB2F) & _M32)
+    x = x ^ (((stream & _M32) * 0x27D4EB2F) & _M32)
     x = x ^ (x >> 16)
     x = (x * 0x85EBCA6B) & _M32
     x = x ^ (x >> 13)
@@ -80,29 +76,42 @@ def _sr_random(seed: int, tensor: int, index: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _bf16_stochastic(w: torch.Tensor, seed: int, tensor: int) -> torch.Tensor:
-    """w (fp32) rounded to bf16 stochastically: 16 random bits added below the
-    bf16 mantissa, then truncated; inf and NaN round to nearest."""
-    flat = w.reshape(-1)
-    bits = flat.view(torch.int32).to(torch.int64) & _M32
-    random = _sr_random(seed, tensor, torch.arange(flat.numel(), device=w.device, dtype=torch.int64))
+def memory_order_index(t: torch.Tensor) -> torch.Tensor:
+    """Each element's index in the memory order of dense ``t`` (int64, t's shape):
+    the element index the kernels hash for stochastic rounding."""
+    flat = torch.arange(t.numel(), device=t.device, dtype=torch.int64)
+    return flat.as_strided(t.shape, t.stride()) if t.numel() else flat.reshape(t.shape)
+
+
+def float_to_bf16_stochastic(w: torch.Tensor, random: torch.Tensor) -> torch.Tensor:
+    """w (fp32) rounded to bf16 with 16 random bits added below the bf16
+    mantissa, then truncated; inf and NaN round to nearest."""
+    bits = w.view(torch.int32).to(torch.int64) & _M32
     stochastic = (bits + (random & 0xFFFF)) >> 16
-    nearest = flat.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+    nearest = w.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
     special = (bits & 0x7F800000) == 0x7F800000
     out = torch.where(special, nearest, stochastic)
     out = torch.where(out >= 0x8000, out - 0x10000, out)  # as signed 16-bit
-    return out.to(torch.int16).view(torch.bfloat16).reshape(w.shape)
+    return out.to(torch.int16).view(torch.bfloat16)
 
 
 def _store_weights(param, master, new, skip, sr=None) -> None:
-    """sr: (seed, position in the list) to round bf16 params stochastically."""
+    """sr: (seed, stream id) to round bf16 params stochastically."""
     if master is not None:
         _commit(master, new, skip)
         _commit(param, master, None)
     elif sr is not None and param.dtype == torch.bfloat16:
-        _commit(param, _bf16_stochastic(new.contiguous(), *sr), skip)
+        random = sr_random(sr[0], sr[1], memory_order_index(param))
+        _commit(param, float_to_bf16_stochastic(new.float(), random), skip)
     else:
         _commit(param, new, skip)
+
+
+def _lerp(start, end, weight: float):
+    """formulas.h's lerp: torch.lerp's two forms, chosen by the weight, without
+    the fused multiply-add of torch's vectorized CPU loop (the kernels round twice)."""
+    w = torch.tensor(weight, dtype=torch.float32).item()  # the weight as fp32, as the kernels hold it
+    return start + w * (end - start) if w < 0.5 else end - (end - start) * (1.0 - w)
 
 
 def _zero(buffers, zero_buffers: bool) -> None:
@@ -111,27 +120,15 @@ def _zero(buffers, zero_buffers: bool) -> None:
             buffer.zero_()
 
 
-def sgd_step_and_zero_(
-    params,
-    buffers,
-    momentum_buffers,
-    master_params,
-    lr,
-    momentum,
-    dampening,
-    weight_decay,
-    nesterov,
-    maximize,
-    is_first_step,
-    grad_scale,
-    grad_scale_tensor,
-    found_inf,
-    zero_buffers,
-    stochastic_rounding=False,
-    seed=0,
-):
-    """torch.optim.SGD's update with g = grad_scale * buffer (negated for maximize)."""
-    s = _effective_scale(grad_scale, grad_scale_tensor, negate=maximize)
+def _stochastic(stochastic_rounding: bool, seed: int, positions: list[int], i: int):
+    return (seed, positions[i] if positions else i) if stochastic_rounding else None
+
+
+def sgd_step_and_zero_(*, params, buffers, momentum_buffers, master_params, lr, momentum, dampening, weight_decay,
+                       nesterov, is_first_step, grad_scale, grad_scale_tensor, found_inf, zero_buffers,
+                       stochastic_rounding, seed, positions):  # fmt: skip
+    """torch.optim.SGD's update with g = grad_scale * buffer."""
+    s = _effective_scale(grad_scale, grad_scale_tensor)
     skip = _skip_flag(found_inf)
     for i, (param, buffer) in enumerate(zip(params, buffers)):
         master = master_params[i] if master_params else None
@@ -144,34 +141,14 @@ def sgd_step_and_zero_(
             new_b = g if is_first_step else momentum * b + (1.0 - dampening) * g
             g = g + momentum * new_b if nesterov else new_b
             _commit(b, new_b, skip)
-        _store_weights(param, master, p - lr * g, skip, (seed, i) if stochastic_rounding else None)
+        _store_weights(param, master, p - lr * g, skip, _stochastic(stochastic_rounding, seed, positions, i))
     _zero(buffers, zero_buffers)
 
 
-def _adam(
-    adamw,
-    params,
-    buffers,
-    exp_avgs,
-    exp_avg_sqs,
-    max_exp_avg_sqs,
-    state_steps,
-    master_params,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    amsgrad,
-    maximize,
-    grad_scale,
-    grad_scale_tensor,
-    found_inf,
-    zero_buffers,
-    stochastic_rounding=False,
-    seed=0,
-):
-    s = _effective_scale(grad_scale, grad_scale_tensor, negate=maximize)
+def _adam(adamw, *, params, buffers, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, lr, beta1,
+          beta2, eps, weight_decay, amsgrad, grad_scale, grad_scale_tensor, found_inf, zero_buffers,
+          stochastic_rounding, seed, positions):  # fmt: skip
+    s = _effective_scale(grad_scale, grad_scale_tensor)
     skip = _skip_flag(found_inf)
     for i, (param, buffer) in enumerate(zip(params, buffers)):
         master = master_params[i] if master_params else None
@@ -187,7 +164,7 @@ def _adam(
         t = new_step.to(_math_dtype(step.device))
         step_size = (lr / (1.0 - beta1**t)).float()
         bias_correction2_sqrt = torch.sqrt(1.0 - beta2**t).float()
-        new_m = m + (1.0 - beta1) * (g - m)
+        new_m = _lerp(m, g, 1.0 - beta1)
         new_v = beta2 * v + (1.0 - beta2) * (g * g)
         v_hat = new_v
         if amsgrad:
@@ -198,21 +175,21 @@ def _adam(
         _commit(m, new_m, skip)
         _commit(v, new_v, skip)
         _commit(step, new_step, skip)
-        _store_weights(param, master, new_p, skip, (seed, i) if stochastic_rounding else None)
+        _store_weights(param, master, new_p, skip, _stochastic(stochastic_rounding, seed, positions, i))
     _zero(buffers, zero_buffers)
 
 
-def adam_step_and_zero_(*args):
-    """torch.optim.Adam's update with g = grad_scale * buffer (negated for maximize)."""
-    _adam(False, *args)
+def adam_step_and_zero_(**args):
+    """torch.optim.Adam's update with g = grad_scale * buffer."""
+    _adam(False, **args)
 
 
-def adamw_step_and_zero_(*args):
-    """torch.optim.AdamW's update with g = grad_scale * buffer (negated for maximize)."""
-    _adam(True, *args)
+def adamw_step_and_zero_(**args):
+    """torch.optim.AdamW's update with g = grad_scale * buffer."""
+    _adam(True, **args)
 
 
-def grad_norm(buffers):
+def grad_norm(*, buffers):
     """sqrt(sum of x^2 over all elements), summed in the math dtype, returned as fp32."""
     dtype = _math_dtype(buffers[0].device)
     norms = [torch.linalg.vector_norm(b.reshape(-1), dtype=dtype) for b in buffers]

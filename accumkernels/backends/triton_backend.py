@@ -17,7 +17,6 @@ import os
 
 import torch
 
-NAME = "triton"
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "") == "1"
 
 try:
@@ -46,21 +45,21 @@ def _ops():
     return torch.ops.accumkernels_triton
 
 
-def accumulate_(*args):
-    _ops().accumulate_(*args)
+def accumulate_(**args):
+    _ops().accumulate_(**args)
 
 
-def sgd_step_and_zero_(*args):
-    _ops().sgd_step_and_zero_(*args)
+def sgd_step_and_zero_(**args):
+    _ops().sgd_step_and_zero_(**args)
 
 
-def adam_step_and_zero_(*args):
-    _ops().adam_step_and_zero_(*args)
+def adam_step_and_zero_(**args):
+    _ops().adam_step_and_zero_(**args)
 
 
-def adamw_step_and_zero_(*args):
-    _ops().adamw_step_and_zero_(*args)
+def adamw_step_and_zero_(**args):
+    _ops().adamw_step_and_zero_(**args)
 
 
-def grad_norm(*args):
-    return _ops().grad_norm(*args)
+def grad_norm(**args):
+    return _ops().grad_norm(**args)

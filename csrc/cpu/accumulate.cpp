@@ -1,53 +1,43 @@
 // accumulate_ on the CPU: buffer = (0 if overwrite else buffer) + scale * float32(grad)
-// for every pair, in one parallel pass over the whole list.
+// for every pair, one parallel pass per grad dtype present in the list.
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <atomic>
 
-#include "../checks.h"
+#include "../op_args.h"
+#include "../tensor_lists.h"
 #include "kernels.h"
 #include "parallel.h"
 
 namespace accumkernels::cpu {
 namespace {
 
-constexpr const char* kOp = "accumkernels::accumulate_";
-
-void accumulate_cpu(at::TensorList buffers, at::TensorList grads, double scale,
-                    const std::optional<at::Tensor>& scale_tensor, bool overwrite,
-                    const std::optional<at::Tensor>& found_inf) {
-  check_length(kOp, grads, "grads", buffers.size(), "one grad per buffer");
-  for (size_t i = 0; i < buffers.size(); ++i) {
-    check_tensor(kOp, buffers[i], "buffers", i, at::kCPU, {at::kFloat});
-    check_like(kOp, grads[i], "grads", i, buffers[i], "buffers",
-               {at::kFloat, at::kBFloat16, at::kHalf});
-  }
-  check_scalar_tensor(kOp, scale_tensor, "scale_tensor", at::kCPU);
-  check_scalar_tensor(kOp, found_inf, "found_inf", at::kCPU);
-
-  const float s = static_cast<float>(scale) *
-                  (scale_tensor.has_value() ? *scale_tensor->const_data_ptr<float>() : 1.0f);
-  const FlatIndex index(buffers);
-  const auto buffer_ptrs = base_pointers(buffers);
-  const auto grad_ptrs = base_pointers(grads);
+void run_accumulate(const AccumulateArgs& a) {
+  const float scale = a.scale_tensor != nullptr ? a.scale * *a.scale_tensor : a.scale;
   const KernelTable& k = kernels();
   std::atomic<bool> nonfinite{false};
-  index.parallel_for_chunks([&](int64_t, int64_t begin, int64_t end) {
-    bool chunk_nonfinite = false;
-    index.for_each_segment(begin, end, [&](size_t t, int64_t offset, int64_t length) {
-      const at::Tensor& g = grads[t];
-      chunk_nonfinite |= k.accumulate({reinterpret_cast<float*>(buffer_ptrs[t]) + offset,
-                                       grad_ptrs[t] + offset * g.element_size(),
-                                       storage_dtype(g.scalar_type()), length, s, overwrite});
+  for (const DtypeGroup& g : group_by_dtype(a.grads, {a.buffers, a.grads})) {
+    const AccumulateCall call{g.dtype, a.overwrite, scale};
+    const int64_t element = g.dtype == Dtype::kFloat32 ? 4 : 2;
+    const FlatIndex index(g.numels);
+    index.parallel_for_chunks([&](int64_t, int64_t begin, int64_t end) {
+      bool chunk_nonfinite = false;
+      index.for_each_segment(begin, end, [&](size_t t, int64_t offset, int64_t length) {
+        chunk_nonfinite |= k.accumulate(
+            call, {static_cast<float*>(g.pointers[0][t]) + offset,
+                   static_cast<const char*>(g.pointers[1][t]) + offset * element, length});
+      });
+      if (chunk_nonfinite) nonfinite.store(true, std::memory_order_relaxed);
     });
-    if (chunk_nonfinite) nonfinite.store(true, std::memory_order_relaxed);
-  });
-  if (found_inf.has_value() && nonfinite.load()) *found_inf->data_ptr<float>() = 1.0f;
+  }
+  if (a.found_inf != nullptr && nonfinite.load()) *a.found_inf = 1.0f;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(accumkernels, CPU, m) { m.impl("accumulate_", &accumulate_cpu); }
+TORCH_LIBRARY_IMPL(accumkernels, CPU, m) {
+  m.impl("accumulate_", &accumulate_entry<run_accumulate>);
+}
 
 }  // namespace accumkernels::cpu

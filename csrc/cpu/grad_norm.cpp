@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "../checks.h"
+#include "../tensor_lists.h"
 #include "kernels.h"
 #include "parallel.h"
 
@@ -24,19 +25,20 @@ at::Tensor grad_norm_cpu(at::TensorList buffers) {
   for (size_t i = 0; i < buffers.size(); ++i) {
     check_tensor(kOp, buffers[i], "buffers", i, at::kCPU, {at::kFloat});
   }
-  const FlatIndex index(buffers);
-  const auto ptrs = base_pointers(buffers);
   const KernelTable& k = kernels();
-  std::vector<double> partial(index.num_chunks(), 0.0);
-  index.parallel_for_chunks([&](int64_t chunk, int64_t begin, int64_t end) {
-    double sum = 0.0;
-    index.for_each_segment(begin, end, [&](size_t t, int64_t offset, int64_t length) {
-      sum += k.sum_squares(reinterpret_cast<const float*>(ptrs[t]) + offset, length);
-    });
-    partial[chunk] = sum;
-  });
   double total = 0.0;
-  for (double p : partial) total += p;
+  for (const DtypeGroup& g : group_by_dtype(buffers, {buffers})) {  // one group: all fp32
+    const FlatIndex index(g.numels);
+    std::vector<double> partial(index.num_chunks(), 0.0);
+    index.parallel_for_chunks([&](int64_t chunk, int64_t begin, int64_t end) {
+      double sum = 0.0;
+      index.for_each_segment(begin, end, [&](size_t t, int64_t offset, int64_t length) {
+        sum += k.sum_squares(static_cast<const float*>(g.pointers[0][t]) + offset, length);
+      });
+      partial[chunk] = sum;
+    });
+    for (double p : partial) total += p;
+  }
   at::Tensor out = at::empty({}, buffers[0].options());
   *out.data_ptr<float>() = static_cast<float>(std::sqrt(total));
   return out;

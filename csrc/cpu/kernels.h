@@ -1,6 +1,7 @@
 // Torch-free interface between the CPU op entry points (csrc/cpu/<op>.cpp) and
 // the vectorized loops, which are compiled once per ISA (kernels_<isa>.cpp) and
-// chosen at run time. Every pointer here is already offset to the chunk start.
+// chosen at run time. A call describes what is the same for every chunk of one
+// dtype group; a chunk holds pointers already offset to its first element.
 #pragma once
 
 #include <cstdint>
@@ -9,70 +10,60 @@
 
 namespace accumkernels::cpu {
 
-// Where the chunk's elements sit, for the random bits of stochastic rounding
-// (bf16 params without master weights only).
-struct StochasticRounding {
-  bool enabled;
-  uint32_t seed;
-  uint32_t tensor;  // position in the op's list
-  int64_t first;    // index of the chunk's first element in its tensor
+struct AccumulateCall {
+  Dtype grad_dtype;
+  bool overwrite;
+  float scale;
 };
 
 struct AccumulateChunk {
   float* buffer;
   const void* grad;
-  Dtype grad_dtype;
   int64_t n;
-  float scale;
-  bool overwrite;
+};
+
+// What every step chunk shares: the weights (param, optional master) and
+// where the chunk sits, for the bits of stochastic rounding.
+struct WeightsChunk {
+  void* param;
+  float* master;    // nullptr: the param itself holds the weights
+  uint32_t stream;  // the param's stream id
+  int64_t first;    // index of the chunk's first element in the param
+};
+
+struct StepCall {
+  Dtype param_dtype;
+  bool master;
+  bool stochastic;  // bf16 params without master weights only
+  uint32_t seed;
+  float grad_scale;  // grad_scale * grad_scale_tensor, read once per call
+  bool zero_buffers;
 };
 
 struct SgdChunk {
-  void* param;
-  Dtype param_dtype;
-  float* master;  // nullptr: the param itself holds the weights
+  WeightsChunk weights;
   float* buffer;
   float* momentum_buffer;  // nullptr when momentum == 0
   int64_t n;
-  float grad_scale;  // negated for maximize
-  bool zero_buffer;
-  StochasticRounding sr;
-};
-
-struct SgdFlags {
-  Momentum momentum;
-  bool nesterov;
-  bool weight_decay;
 };
 
 struct AdamChunk {
-  void* param;
-  Dtype param_dtype;
-  float* master;  // nullptr: the param itself holds the weights
+  WeightsChunk weights;
   float* buffer;
   float* exp_avg;
   float* exp_avg_sq;
   float* max_exp_avg_sq;  // nullptr unless amsgrad
   int64_t n;
-  float grad_scale;  // negated for maximize
   AdamStepScalars scalars;
-  bool zero_buffer;
-  StochasticRounding sr;
-};
-
-struct AdamFlags {
-  bool adamw;
-  bool amsgrad;
-  bool weight_decay;
 };
 
 // One set of loops for one instruction set.
 struct KernelTable {
   const char* isa;
   // Returns true if any grad element is inf or NaN.
-  bool (*accumulate)(const AccumulateChunk&);
-  void (*sgd)(const SgdChunk&, const SgdHyper&, SgdFlags);
-  void (*adam)(const AdamChunk&, const AdamHyper&, AdamFlags);
+  bool (*accumulate)(const AccumulateCall&, const AccumulateChunk&);
+  void (*sgd)(const StepCall&, const SgdHyper&, Momentum, const SgdChunk&);
+  void (*adam)(const StepCall&, const AdamHyper&, const AdamChunk&);
   // Sum of squares in double, in a fixed order for a given n.
   double (*sum_squares)(const float*, int64_t);
   void (*zero)(float*, int64_t);

@@ -2,7 +2,10 @@
 // this after a `#pragma GCC target(...)`, inside namespace
 // accumkernels::cpu::AK_CPU_ISA so the variants never share a symbol. The
 // loops are plain `#pragma omp simd` loops over the formulas of formulas.h;
-// the compiler vectorizes them at the width of the target ISA.
+// the compiler vectorizes them at the width of the target ISA. Template
+// parameters are what changes the loop's loads and stores (storage dtype,
+// master weights, stochastic rounding, momentum mode, zeroing) and, for Adam,
+// the update's flags (see StaticAdamFlags); SGD's flags are plain values.
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -19,7 +22,7 @@ namespace accumkernels::cpu::AK_CPU_ISA {
 namespace {
 
 template <Dtype G, bool kOverwrite>
-bool accumulate_loop(float* __restrict buffer, const typename Storage<G>::type* __restrict grad,
+bool accumulate_loop(float* AK_RESTRICT buffer, const typename Storage<G>::type* AK_RESTRICT grad,
                      int64_t n, float scale) {
   uint32_t nonfinite = 0;
 #pragma omp simd reduction(| : nonfinite)
@@ -31,87 +34,76 @@ bool accumulate_loop(float* __restrict buffer, const typename Storage<G>::type* 
   return nonfinite != 0;
 }
 
-bool accumulate_chunk(const AccumulateChunk& c) {
+bool accumulate_chunk(const AccumulateCall& call, const AccumulateChunk& c) {
   bool nonfinite = false;
-  with_dtype(c.grad_dtype, [&](auto g) {
+  with_dtype(call.grad_dtype, [&](auto g) {
     constexpr Dtype G = decltype(g)::value;
-    using T = typename Storage<G>::type;
-    with_bool(c.overwrite, [&](auto overwrite) {
+    with_bool(call.overwrite, [&](auto overwrite) {
       nonfinite = accumulate_loop<G, decltype(overwrite)::value>(
-          c.buffer, static_cast<const T*>(c.grad), c.n, c.scale);
+          c.buffer, static_cast<const typename Storage<G>::type*>(c.grad), c.n, call.scale);
     });
   });
   return nonfinite;
 }
 
-// Weights live in `master` (fp32) when given, else in `param`; the updated
-// weights are written to both. kStochastic: bf16 params rounded stochastically.
 template <Dtype P, bool kMaster, bool kStochastic>
-struct Weights {
-  using T = typename Storage<P>::type;
-  T* __restrict param;
-  float* __restrict master;
-  StochasticRounding sr;
-  AK_HD float load(int64_t i) const { return kMaster ? master[i] : Storage<P>::load(param[i]); }
-  AK_HD void store(int64_t i, float w) const {
-    if (kMaster) master[i] = w;
-    if constexpr (kStochastic) {
-      param[i] = float_to_bf16_stochastic(
-          w, sr_random(sr.seed, sr.tensor, static_cast<uint64_t>(sr.first + i)));
-    } else {
-      param[i] = Storage<P>::store(w);
-    }
-  }
-};
-
-template <Dtype P, bool kMaster, bool kStochastic, Momentum kMomentum, bool kNesterov,
-          bool kWeightDecay, bool kZero>
-void sgd_loop(const SgdChunk& c, const SgdHyper& h) {
-  const Weights<P, kMaster, kStochastic> w{static_cast<typename Storage<P>::type*>(c.param),
-                                           c.master, c.sr};
-  float* __restrict buffer = c.buffer;
-  float* __restrict momentum_buffer = c.momentum_buffer;
-  const float grad_scale = c.grad_scale;
-#pragma omp simd
-  for (int64_t i = 0; i < c.n; ++i) {
-    const float g = grad_scale * buffer[i];
-    float b = kMomentum == Momentum::kRunning ? momentum_buffer[i] : 0.0f;
-    w.store(i, sgd_update<kMomentum, kNesterov, kWeightDecay>(w.load(i), g, b, h));
-    if (kMomentum != Momentum::kNone) momentum_buffer[i] = b;
-    if (kZero) buffer[i] = 0.0f;
-  }
+Weights<P, kMaster, kStochastic> weights(const StepCall& call, const WeightsChunk& c) {
+  return {static_cast<typename Storage<P>::type*>(c.param), c.master, call.seed, c.stream, c.first};
 }
 
-void sgd_chunk(const SgdChunk& c, const SgdHyper& h, SgdFlags f) {
-  with_dtype(c.param_dtype, [&](auto p) {
-    with_bool(c.master != nullptr, [&](auto master) {
-      with_stochastic<decltype(p)::value, decltype(master)::value>(c.sr.enabled, [&](auto sr) {
-        with_momentum(f.momentum, [&](auto momentum) {
-          with_bool(f.nesterov, [&](auto nesterov) {
-            with_bool(f.weight_decay, [&](auto wd) {
-              with_bool(c.zero_buffer, [&](auto zero) {
-                sgd_loop<decltype(p)::value, decltype(master)::value, decltype(sr)::value,
-                         decltype(momentum)::value, decltype(nesterov)::value, decltype(wd)::value,
-                         decltype(zero)::value>(c, h);
-              });
-            });
-          });
-        });
+// Calls f(Weights<...>{...}) with the weights type of this call.
+template <typename F>
+void with_weights(const StepCall& call, const WeightsChunk& c, F&& f) {
+  with_dtype(call.param_dtype, [&](auto p) {
+    constexpr Dtype P = decltype(p)::value;
+    with_bool(call.master, [&](auto master) {
+      constexpr bool kMaster = decltype(master)::value;
+      with_stochastic<P, kMaster>(call.stochastic, [&](auto sr) {
+        f(weights<P, kMaster, decltype(sr)::value>(call, c));
       });
     });
   });
 }
 
-template <Dtype P, bool kMaster, bool kStochastic, bool kAdamW, bool kAmsgrad, bool kWeightDecay,
-          bool kZero>
-void adam_loop(const AdamChunk& c, const AdamHyper& h) {
-  const Weights<P, kMaster, kStochastic> w{static_cast<typename Storage<P>::type*>(c.param),
-                                           c.master, c.sr};
-  float* __restrict buffer = c.buffer;
-  float* __restrict exp_avg = c.exp_avg;
-  float* __restrict exp_avg_sq = c.exp_avg_sq;
-  float* __restrict max_exp_avg_sq = c.max_exp_avg_sq;
-  const float grad_scale = c.grad_scale;
+// The hyperparameters are copied into locals: read through a reference they
+// might alias the arrays the loop writes, and the compiler would reload them
+// (and branch on their flags) on every element instead of vectorizing.
+template <Momentum kMomentum, bool kZero, typename W>
+void sgd_loop(const W& weights_in, const SgdChunk& c, float grad_scale, const SgdHyper& hyper) {
+  const SgdHyper h = hyper;
+  const W w = weights_in;
+  float* AK_RESTRICT buffer = c.buffer;
+  float* AK_RESTRICT momentum_buffer = c.momentum_buffer;
+#pragma omp simd
+  for (int64_t i = 0; i < c.n; ++i) {
+    const float g = grad_scale * buffer[i];
+    float b = kMomentum == Momentum::kRunning ? momentum_buffer[i] : 0.0f;
+    w.store(i, sgd_update<kMomentum>(w.load(i), g, b, h));
+    if (kMomentum != Momentum::kNone) momentum_buffer[i] = b;
+    if (kZero) buffer[i] = 0.0f;
+  }
+}
+
+void sgd_chunk(const StepCall& call, const SgdHyper& h, Momentum momentum, const SgdChunk& c) {
+  with_weights(call, c.weights, [&](const auto& w) {
+    with_momentum(momentum, [&](auto mode) {
+      with_bool(call.zero_buffers, [&](auto zero) {
+        sgd_loop<decltype(mode)::value, decltype(zero)::value>(w, c, call.grad_scale, h);
+      });
+    });
+  });
+}
+
+template <typename Flags, bool kZero, typename W>
+void adam_loop(const W& weights_in, const AdamChunk& c, float grad_scale, const AdamHyper& hyper) {
+  constexpr bool kAmsgrad = Flags::amsgrad;
+  constexpr Flags flags{};
+  const AdamHyper h = hyper;
+  const W w = weights_in;
+  float* AK_RESTRICT buffer = c.buffer;
+  float* AK_RESTRICT exp_avg = c.exp_avg;
+  float* AK_RESTRICT exp_avg_sq = c.exp_avg_sq;
+  float* AK_RESTRICT max_exp_avg_sq = c.max_exp_avg_sq;
   const AdamStepScalars s = c.scalars;
 #pragma omp simd
   for (int64_t i = 0; i < c.n; ++i) {
@@ -119,7 +111,7 @@ void adam_loop(const AdamChunk& c, const AdamHyper& h) {
     float m = exp_avg[i];
     float v = exp_avg_sq[i];
     float v_max = kAmsgrad ? max_exp_avg_sq[i] : 0.0f;
-    w.store(i, adam_update<kAdamW, kAmsgrad, kWeightDecay>(w.load(i), g, m, v, v_max, h, s));
+    w.store(i, adam_update(w.load(i), g, m, v, v_max, h, s, flags));
     exp_avg[i] = m;
     exp_avg_sq[i] = v;
     if (kAmsgrad) max_exp_avg_sq[i] = v_max;
@@ -127,19 +119,15 @@ void adam_loop(const AdamChunk& c, const AdamHyper& h) {
   }
 }
 
-void adam_chunk(const AdamChunk& c, const AdamHyper& h, AdamFlags f) {
-  with_dtype(c.param_dtype, [&](auto p) {
-    with_bool(c.master != nullptr, [&](auto master) {
-      with_stochastic<decltype(p)::value, decltype(master)::value>(c.sr.enabled, [&](auto sr) {
-        with_bool(f.adamw, [&](auto adamw) {
-          with_bool(f.amsgrad, [&](auto amsgrad) {
-            with_bool(f.weight_decay, [&](auto wd) {
-              with_bool(c.zero_buffer, [&](auto zero) {
-                adam_loop<decltype(p)::value, decltype(master)::value, decltype(sr)::value,
-                          decltype(adamw)::value, decltype(amsgrad)::value, decltype(wd)::value,
-                          decltype(zero)::value>(c, h);
-              });
-            });
+void adam_chunk(const StepCall& call, const AdamHyper& h, const AdamChunk& c) {
+  with_weights(call, c.weights, [&](const auto& w) {
+    with_bool(h.adamw, [&](auto adamw) {
+      with_bool(h.amsgrad, [&](auto amsgrad) {
+        with_bool(h.has_weight_decay, [&](auto wd) {
+          with_bool(call.zero_buffers, [&](auto zero) {
+            using Flags = StaticAdamFlags<decltype(adamw)::value, decltype(amsgrad)::value,
+                                          decltype(wd)::value>;
+            adam_loop<Flags, decltype(zero)::value>(w, c, call.grad_scale, h);
           });
         });
       });
@@ -147,7 +135,7 @@ void adam_chunk(const AdamChunk& c, const AdamHyper& h, AdamFlags f) {
   });
 }
 
-double sum_squares(const float* __restrict x, int64_t n) {
+double sum_squares(const float* AK_RESTRICT x, int64_t n) {
   double sum = 0.0;
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < n; ++i) {
@@ -157,7 +145,7 @@ double sum_squares(const float* __restrict x, int64_t n) {
   return sum;
 }
 
-void zero(float* __restrict x, int64_t n) {
+void zero(float* AK_RESTRICT x, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) x[i] = 0.0f;
 }

@@ -6,7 +6,6 @@
 #pragma once
 
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -18,8 +17,8 @@ constexpr int64_t kChunk = int64_t{1} << 16;
 
 class FlatIndex {
  public:
-  explicit FlatIndex(at::TensorList tensors) : starts_(tensors.size() + 1, 0) {
-    for (size_t i = 0; i < tensors.size(); ++i) starts_[i + 1] = starts_[i] + tensors[i].numel();
+  explicit FlatIndex(const std::vector<int64_t>& numels) : starts_(numels.size() + 1, 0) {
+    for (size_t i = 0; i < numels.size(); ++i) starts_[i + 1] = starts_[i] + numels[i];
   }
 
   int64_t total() const { return starts_.back(); }
@@ -52,12 +51,5 @@ class FlatIndex {
  private:
   std::vector<int64_t> starts_;
 };
-
-// Base address of every tensor in a list, for pointer arithmetic in the loops.
-inline std::vector<char*> base_pointers(at::TensorList tensors) {
-  std::vector<char*> out(tensors.size());
-  for (size_t i = 0; i < tensors.size(); ++i) out[i] = static_cast<char*>(tensors[i].data_ptr());
-  return out;
-}
 
 }  // namespace accumkernels::cpu

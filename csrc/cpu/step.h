@@ -1,45 +1,57 @@
-// What the CPU step-and-zero ops share: reading the device scalars and the
-// skipped-window path that only clears the buffers.
+// What the CPU step-and-zero ops share: the per-call scalars, the skipped
+// window that only clears the buffers, and the walk over a dtype group's
+// chunks.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
-#include <optional>
-
+#include "../op_args.h"
+#include "../tensor_lists.h"
 #include "kernels.h"
 #include "parallel.h"
 
 namespace accumkernels::cpu {
 
-struct StepScalars {
-  bool skip;         // found_inf is nonzero: leave params and state untouched
-  float grad_scale;  // grad_scale * grad_scale_tensor, negated for maximize
-};
-
-inline StepScalars read_step_scalars(double grad_scale,
-                                     const std::optional<at::Tensor>& grad_scale_tensor,
-                                     const std::optional<at::Tensor>& found_inf, bool maximize) {
-  float s = static_cast<float>(grad_scale);
-  if (grad_scale_tensor.has_value()) s *= *grad_scale_tensor->const_data_ptr<float>();
-  const bool skip = found_inf.has_value() && *found_inf->const_data_ptr<float>() != 0.0f;
-  return {skip, maximize ? -s : s};
-}
-
 inline void zero_all(at::TensorList buffers) {
-  const FlatIndex index(buffers);
-  const auto ptrs = base_pointers(buffers);
-  const KernelTable& k = kernels();
-  index.parallel_for_chunks([&](int64_t, int64_t begin, int64_t end) {
-    index.for_each_segment(begin, end, [&](size_t t, int64_t offset, int64_t length) {
-      k.zero(reinterpret_cast<float*>(ptrs[t]) + offset, length);
+  for (const DtypeGroup& g : group_by_dtype(buffers, {buffers})) {
+    const FlatIndex index(g.numels);
+    const KernelTable& k = kernels();
+    index.parallel_for_chunks([&](int64_t, int64_t begin, int64_t end) {
+      index.for_each_segment(begin, end, [&](size_t t, int64_t offset, int64_t length) {
+        k.zero(static_cast<float*>(g.pointers[0][t]) + offset, length);
+      });
     });
-  });
+  }
 }
 
-// A float* into tensor list `ptrs` at element `offset`, or nullptr for an
+// A float* into pointer list `ptrs` at element `offset`, or nullptr for an
 // absent optional list.
-inline float* f32_at(const std::vector<char*>& ptrs, size_t t, int64_t offset) {
-  return ptrs.empty() ? nullptr : reinterpret_cast<float*>(ptrs[t]) + offset;
+inline float* f32_at(const std::vector<void*>& ptrs, size_t t, int64_t offset) {
+  return ptrs[t] == nullptr ? nullptr : static_cast<float*>(ptrs[t]) + offset;
+}
+
+// The scalars of a step call over dtype group `g`.
+inline StepCall step_call(const DtypeGroup& g, bool master, const Stochastic& sr, float grad_scale,
+                          bool zero_buffers) {
+  return {g.dtype, master, sr.enabled && g.dtype == Dtype::kBFloat16 && !master, sr.seed,
+          grad_scale, zero_buffers};
+}
+
+// The weights of tensor t of group `g` from element `offset` on; list 0 holds
+// the params, list 1 the master weights.
+inline WeightsChunk weights_at(const DtypeGroup& g, const Stochastic& sr, size_t t, int64_t offset) {
+  const int64_t element = g.dtype == Dtype::kFloat32 ? 4 : 2;
+  return {static_cast<char*>(g.pointers[0][t]) + offset * element, f32_at(g.pointers[1], t, offset),
+          sr.streams[g.indices[t]], offset};
+}
+
+// Runs f(tensor in group, offset, length) over every chunk of the group, in parallel.
+template <typename F>
+void for_each_chunk(const DtypeGroup& g, F&& f) {
+  const FlatIndex index(g.numels);
+  index.parallel_for_chunks([&](int64_t, int64_t begin, int64_t end) {
+    index.for_each_segment(begin, end, f);
+  });
 }
 
 }  // namespace accumkernels::cpu

@@ -33,13 +33,14 @@ struct SumSquaresFunctor {
                              int global_chunk, double* partials) {
     const float* x = static_cast<const float*>(meta.addresses[0][t]) + start;
     double sum = 0.0;
-    for_chunk(
-        n, aligned<float>(x),
+    constexpr int N = kVec<float>;
+    for_chunk<N>(
+        n, aligned<float, N>(x),
         [&](int64_t i) {
-          float v[kILP];
-          load_pack(v, x, i);
+          float v[N];
+          load_pack<N>(v, x, i);
 #pragma unroll
-          for (int k = 0; k < kILP; ++k) sum += static_cast<double>(v[k]) * v[k];
+          for (int k = 0; k < N; ++k) sum += static_cast<double>(v[k]) * v[k];
         },
         [&](int64_t i) { sum += static_cast<double>(x[i]) * x[i]; });
     const double total = block_sum(sum);

@@ -1,39 +1,70 @@
-"""What every Triton kernel of accumkernels shares.
+"""What every Triton kernel of accumkernels shares: the launch table, the
+device guard and the loads and stores of storage dtypes.
 
-Multi-tensor launches use one int64 "meta" tensor on the device, built on the
-host and copied in one asynchronous transfer:
+Multi-tensor launches use one int64 "table" tensor on the device:
 
-    [ pointers of list 0 (T) | ... | list L-1 (T) | numels (T) | list positions (T) |
-      chunk -> tensor (C) | chunk -> first element (C) | extra int64/fp64 bits ]
+    [ pointers of list 0 (T) | ... | list L-1 (T) | numels (T) | stream ids (T) |
+      chunk -> tensor (C) | chunk -> first element (C) ]
 
 One program handles one chunk of CHUNK elements of one tensor (in BLOCK-wide
 steps), so a list of any length costs one launch per storage dtype. Offsets are
-int64. Per-step values (scale, lr, betas, step counts, grad_scale) are runtime
-arguments or device tensors, never tl.constexpr: changing them never recompiles.
+int64. The table depends only on the tensors (addresses, sizes, stream ids), so
+it is built once per tensor list and kept (``launch_table``): later calls with
+the same tensors, as the optimizer wrapper makes every window, copy nothing to
+the device. Per-step values (scale, lr, step counts, grad_scale, the seed) are
+runtime arguments or device tensors, never tl.constexpr, and the per-call
+integers are not specialized on (``do_not_specialize``): changing them never
+recompiles.
+
+Where every tensor of a launch is 16-byte aligned the host passes ALIGNED=True
+and the kernels tell the compiler (``tl.multiple_of``); full chunks are then
+loaded without a mask, and the loads and stores become 16-byte vector accesses.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections import OrderedDict
 
 import torch
 import triton
 import triton.language as tl
+
+from . import _formulas as f
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "") == "1"
 # The interpreter pays per program, not per element: one big block per chunk.
 CHUNK = 65536 if INTERPRET else 16384
 BLOCK = 65536 if INTERPRET else 2048
 NUM_WARPS = 8
+# Launch options. No floating-point contraction: a + b * c is rounded twice, as
+# in the CPU kernels and the reference, so every backend gives the same bits.
+OPTIONS = {} if INTERPRET else {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
+ALIGNMENT = 16  # bytes
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
+_TABLES: OrderedDict = OrderedDict()
+_TABLES_KEPT = 256
 
-def build_meta(lists: list[list[torch.Tensor | None]], numels: list[int], device: torch.device,
-               extra: list[int] | None = None, positions: list[int] | None = None) -> tuple[torch.Tensor, int, int]:
-    """The meta tensor for L lists of T tensors (None entries become null
-    pointers; ``positions``: each tensor's place in the op's list, default
-    0..T-1); returns (meta, T, C)."""
+
+def device_guard(device: torch.device):
+    """Launch on the tensors' device (and its current stream), whatever device is current."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def launch_table(lists: list[list[torch.Tensor | None]], numels: list[int], device: torch.device,
+                 streams: list[int] | None = None) -> tuple[torch.Tensor, int, int, bool]:
+    """The table for L lists of T tensors (None entries become null pointers;
+    ``streams``: each tensor's stream id, default 0..T-1); returns (table, T, C,
+    aligned), ``aligned`` meaning every tensor starts on a 16-byte boundary."""
+    pointers = tuple(tuple(0 if t is None else t.data_ptr() for t in lst) for lst in lists)
+    key = (device, pointers, tuple(numels), None if streams is None else tuple(streams))
+    hit = _TABLES.get(key)
+    if hit is not None:
+        _TABLES.move_to_end(key)
+        return hit
     count = len(numels)
     sizes = torch.tensor(numels, dtype=torch.int64)
     chunks_per_tensor = (sizes + CHUNK - 1) // CHUNK
@@ -41,103 +72,84 @@ def build_meta(lists: list[list[torch.Tensor | None]], numels: list[int], device
     first_chunk = torch.cumsum(chunks_per_tensor, 0) - chunks_per_tensor
     chunk_count = int(chunk_tensor.numel())
     chunk_start = (torch.arange(chunk_count, dtype=torch.int64) - first_chunk[chunk_tensor]) * CHUNK
-    pointers = torch.tensor([[0 if t is None else t.data_ptr() for t in lst] for lst in lists], dtype=torch.int64)
-    places = torch.tensor(positions if positions is not None else range(count), dtype=torch.int64)
-    parts = [pointers.reshape(-1), sizes, places, chunk_tensor, chunk_start]
-    if extra:
-        parts.append(torch.tensor(extra, dtype=torch.int64))
-    meta = torch.cat(parts)
+    ids = torch.tensor(streams if streams is not None else range(count), dtype=torch.int64)
+    table = torch.cat([torch.tensor(pointers, dtype=torch.int64).reshape(-1), sizes, ids, chunk_tensor, chunk_start])
     if device.type == "cuda":
-        meta = meta.pin_memory().to(device, non_blocking=True)
-    return meta, count, chunk_count
+        # Kept pinned and alive with the device copy: a CUDA graph that captured
+        # this copy replays it from the same, unchanged host memory.
+        host = table.pin_memory()
+        table = host.to(device, non_blocking=True)
+        table._accumkernels_host = host  # noqa: SLF001  (lifetime only)
+    aligned = all(p % ALIGNMENT == 0 for lst in pointers for p in lst)
+    entry = (table, count, chunk_count, aligned)
+    _TABLES[key] = entry
+    if len(_TABLES) > _TABLES_KEPT:
+        _TABLES.popitem(last=False)
+    return entry
 
 
-def f64_bits(*values: float) -> list[int]:
-    """fp64 values as int64 bit patterns, for the meta tensor's extra part."""
-    return torch.tensor(values, dtype=torch.float64).view(torch.int64).tolist()
+def seed_argument(seed: int) -> int:
+    """The uint32 seed as a signed 32-bit int, so that its Triton type is i32
+    whatever its value (a value >= 2^31 would be i64: a new compile)."""
+    return seed - 2**32 if seed >= 2**31 else seed
 
 
 @triton.jit
-def chunk_of(meta, list_count: tl.constexpr, T, C):
+def chunk_of(table, list_count: tl.constexpr, T, C, CHUNK: tl.constexpr, ALIGNED: tl.constexpr):
     """(tensor index, first element, numel) of this program's chunk."""
     c = tl.program_id(0).to(tl.int64)
-    t = tl.load(meta + list_count * T + 2 * T + c)
-    start = tl.load(meta + list_count * T + 2 * T + C + c)
-    n = tl.load(meta + list_count * T + t)
+    t = tl.load(table + list_count * T + 2 * T + c)
+    start = tl.load(table + list_count * T + 2 * T + C + c)
+    if ALIGNED:
+        start = tl.multiple_of(start, CHUNK)
+    n = tl.load(table + list_count * T + t)
     return t, start, n
 
 
 @triton.jit
-def position(meta, list_count: tl.constexpr, T, t):
-    """Tensor t's place in the op's list."""
-    return tl.load(meta + list_count * T + T + t)
+def stream_of(table, list_count: tl.constexpr, T, t):
+    """Tensor t's stream id (stochastic rounding)."""
+    return tl.load(table + list_count * T + T + t)
 
 
 @triton.jit
-def extra_at(meta, list_count: tl.constexpr, T, C):
-    """Address of the meta tensor's extra part."""
-    return meta + list_count * T + 2 * T + 2 * C
-
-
-@triton.jit
-def sr_random(seed, tensor, index):
-    """The random bits of stochastic rounding, as formulas.h's sr_random: int64
-    arithmetic kept to 32 bits (the low 32 bits of a product do not depend on
-    the high bits, so wrapping is harmless)."""
-    m = 0xFFFFFFFF
-    x = ((index & m) * 0x9E3779B1) & m
-    x = x ^ ((((index >> 32) & m) * 0x85EBCA77) & m)
-    x = x ^ (((seed & m) * 0xC2B2AE3D) & m)
-    x = x ^ (((tensor & m) * 0x27D4EB2F) & m)
-    x = x ^ (x >> 16)
-    x = (x * 0x85EBCA6B) & m
-    x = x ^ (x >> 13)
-    x = (x * 0xC2B2AE35) & m
-    return x ^ (x >> 16)
-
-
-@triton.jit
-def to_bf16_stochastic(x, random):
-    """fp32 -> bf16 adding 16 random bits below the mantissa, then truncating
-    (inf and NaN round to nearest), as formulas.h's float_to_bf16_stochastic."""
-    bits = x.to(tl.uint32, bitcast=True).to(tl.int64)
-    stochastic = (bits + (random & 0xFFFF)) >> 16
-    special = (bits & 0x7F800000) == 0x7F800000
-    nearest = to_storage(x, tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.int64)
-    return tl.where(special, nearest, stochastic).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def pointer(meta, list_index: tl.constexpr, T, t, dtype: tl.constexpr):
-    return tl.load(meta + list_index * T + t).to(tl.pointer_type(dtype))
-
-
-@triton.jit
-def load_f32(ptr, offs, mask, dtype: tl.constexpr):
-    """Load ``dtype`` values as fp32; bf16 by a 16-bit shift, exact for every
-    pattern (the interpreter's own bf16 conversion mishandles subnormals)."""
+def pointer(table, list_index: tl.constexpr, T, t, dtype: tl.constexpr, ALIGNED: tl.constexpr):
+    """Tensor t's address in list ``list_index`` as a pointer to ``dtype``
+    (bf16 and fp16 as uint16: they are converted by integer ops)."""
     if dtype == tl.bfloat16:
-        raw = tl.load(ptr.to(tl.pointer_type(tl.uint16)) + offs, mask=mask, other=0)
-        return (raw.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        ptr = tl.load(table + list_index * T + t).to(tl.pointer_type(tl.uint16))
     else:
-        return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        ptr = tl.load(table + list_index * T + t).to(tl.pointer_type(dtype))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
+
+
+@triton.jit
+def load_f32(ptr, offs, mask, dtype: tl.constexpr, MASKED: tl.constexpr):
+    """Load ``dtype`` values as fp32 (masked loads return 0 past the end)."""
+    if MASKED:
+        x = tl.load(ptr + offs, mask=mask, other=0)
+    else:
+        x = tl.load(ptr + offs)
+    if dtype == tl.bfloat16:
+        return (x.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def store(ptr, offs, value, mask, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(ptr + offs, value, mask=mask)
+    else:
+        tl.store(ptr + offs, value)
 
 
 @triton.jit
 def to_storage(x, dtype: tl.constexpr):
-    """fp32 -> storage dtype, rounding to nearest even (bf16 by integer ops,
-    as formulas.h does: the interpreter's own bf16 cast truncates)."""
+    """fp32 -> storage dtype, rounding to nearest even (bf16 as its uint16 bits)."""
     if dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
-        out = tl.where(is_nan, (bits >> 16) | 0x40, rounded)
-        return out.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return f.float_to_bf16(x)
     else:
         return x.to(dtype)
-
-
-@triton.jit
-def is_nonfinite(x):
-    """inf or NaN: x - x is NaN exactly for those."""
-    return (x - x) != 0.0

@@ -8,29 +8,41 @@ import triton
 import triton.language as tl
 
 from . import _common as c
+from . import _formulas as f
 
 
 @triton.jit
-def _accumulate_kernel(meta, T, C, scale, scale_ptr, found_inf_ptr, GRAD_DTYPE: tl.constexpr,
+def _accumulate_block(buffer, grad, offs, n, s, GRAD_DTYPE: tl.constexpr, OVERWRITE: tl.constexpr,
+                      MASKED: tl.constexpr):  # fmt: skip
+    """One BLOCK of a chunk; returns its inf/NaN flags."""
+    mask = offs < n
+    g = c.load_f32(grad, offs, mask, GRAD_DTYPE, MASKED)
+    b = 0.0
+    if not OVERWRITE:
+        b = c.load_f32(buffer, offs, mask, tl.float32, MASKED)
+    c.store(buffer, offs, f.accumulate(b, g, s, OVERWRITE), mask, MASKED)
+    return f.is_nonfinite(g).to(tl.int32)
+
+
+@triton.jit(do_not_specialize=["T", "C"])
+def _accumulate_kernel(table, T, C, scale, scale_ptr, found_inf_ptr, GRAD_DTYPE: tl.constexpr,
                        OVERWRITE: tl.constexpr, HAS_SCALE_TENSOR: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
-                       CHUNK: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    t, start, n = c.chunk_of(meta, 2, T, C)
-    buffer = c.pointer(meta, 0, T, t, tl.float32)
-    grad = c.pointer(meta, 1, T, t, GRAD_DTYPE)
+                       ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    t, start, n = c.chunk_of(table, 2, T, C, CHUNK, ALIGNED)
+    buffer = c.pointer(table, 0, T, t, tl.float32, ALIGNED)
+    grad = c.pointer(table, 1, T, t, GRAD_DTYPE, ALIGNED)
     s = scale
     if HAS_SCALE_TENSOR:
         s = scale * tl.load(scale_ptr)
     nonfinite = tl.zeros((BLOCK,), dtype=tl.int32)
-    for i in range(0, CHUNK, BLOCK):
-        offs = start + i + tl.arange(0, BLOCK).to(tl.int64)
-        mask = offs < n
-        g = c.load_f32(grad, offs, mask, GRAD_DTYPE)
-        nonfinite = nonfinite | c.is_nonfinite(g).to(tl.int32)
-        if OVERWRITE:
-            out = s * g
-        else:
-            out = tl.load(buffer + offs, mask=mask, other=0.0) + s * g
-        tl.store(buffer + offs, out, mask=mask)
+    if start + CHUNK <= n:  # a full chunk: no masks, vector accesses where ALIGNED
+        for i in range(0, CHUNK, BLOCK):
+            offs = start + i + tl.arange(0, BLOCK).to(tl.int64)
+            nonfinite = nonfinite | _accumulate_block(buffer, grad, offs, n, s, GRAD_DTYPE, OVERWRITE, False)
+    else:
+        for i in range(0, CHUNK, BLOCK):
+            offs = start + i + tl.arange(0, BLOCK).to(tl.int64)
+            nonfinite = nonfinite | _accumulate_block(buffer, grad, offs, n, s, GRAD_DTYPE, OVERWRITE, True)
     if HAS_FOUND_INF:
         # Every writer stores the same 1.0: no atomics needed.
         tl.store(found_inf_ptr, 1.0, mask=tl.max(nonfinite, axis=0) > 0)
@@ -40,18 +52,19 @@ def _accumulate_kernel(meta, T, C, scale, scale_ptr, found_inf_ptr, GRAD_DTYPE: 
 def accumulate_(buffers: list[torch.Tensor], grads: list[torch.Tensor], scale: float,
                 scale_tensor: torch.Tensor | None, overwrite: bool, found_inf: torch.Tensor | None) -> None:  # fmt: skip
     """buffer = (0 if overwrite else buffer) + scale * float32(grad), for every pair."""
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        pairs = [(b, g) for b, g in zip(buffers, grads) if g.dtype == dtype and b.numel() > 0]
-        if not pairs:
-            continue
-        device = pairs[0][0].device
-        meta, count, chunks = c.build_meta([[b for b, _ in pairs], [g for _, g in pairs]],
-                                           [b.numel() for b, _ in pairs], device)  # fmt: skip
-        _accumulate_kernel[(chunks,)](
-            meta, count, chunks, scale, scale_tensor, found_inf, GRAD_DTYPE=c.TL_DTYPES[dtype],
-            OVERWRITE=overwrite, HAS_SCALE_TENSOR=scale_tensor is not None, HAS_FOUND_INF=found_inf is not None,
-            CHUNK=c.CHUNK, BLOCK=c.BLOCK, num_warps=c.NUM_WARPS,
-        )  # fmt: skip
+    device = buffers[0].device
+    with c.device_guard(device):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            pairs = [(b, g) for b, g in zip(buffers, grads) if g.dtype == dtype and b.numel() > 0]
+            if not pairs:
+                continue
+            table, count, chunks, aligned = c.launch_table([[b for b, _ in pairs], [g for _, g in pairs]],
+                                                           [b.numel() for b, _ in pairs], device)  # fmt: skip
+            _accumulate_kernel[(chunks,)](
+                table, count, chunks, scale, scale_tensor, found_inf, GRAD_DTYPE=c.TL_DTYPES[dtype],
+                OVERWRITE=overwrite, HAS_SCALE_TENSOR=scale_tensor is not None, HAS_FOUND_INF=found_inf is not None,
+                ALIGNED=aligned, CHUNK=c.CHUNK, BLOCK=c.BLOCK, **c.OPTIONS,
+            )  # fmt: skip
 
 
 @accumulate_.register_fake

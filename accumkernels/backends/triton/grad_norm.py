@@ -10,19 +10,25 @@ import triton.language as tl
 from . import _common as c
 
 
-@triton.jit
-def _partials_kernel(meta, T, C, partials_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    t, start, n = c.chunk_of(meta, 1, T, C)
-    x_ptr = c.pointer(meta, 0, T, t, tl.float32)
+@triton.jit(do_not_specialize=["T", "C"])
+def _partials_kernel(table, T, C, partials_ptr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    t, start, n = c.chunk_of(table, 1, T, C, CHUNK, ALIGNED)
+    x_ptr = c.pointer(table, 0, T, t, tl.float32, ALIGNED)
     acc = tl.zeros((BLOCK,), dtype=tl.float64)
-    for i in range(0, CHUNK, BLOCK):
-        offs = start + i + tl.arange(0, BLOCK).to(tl.int64)
-        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float64)
-        acc += x * x
+    if start + CHUNK <= n:
+        for i in range(0, CHUNK, BLOCK):
+            offs = start + i + tl.arange(0, BLOCK).to(tl.int64)
+            x = c.load_f32(x_ptr, offs, offs < n, tl.float32, False).to(tl.float64)
+            acc += x * x
+    else:
+        for i in range(0, CHUNK, BLOCK):
+            offs = start + i + tl.arange(0, BLOCK).to(tl.int64)
+            x = c.load_f32(x_ptr, offs, offs < n, tl.float32, True).to(tl.float64)
+            acc += x * x
     tl.store(partials_ptr + tl.program_id(0), tl.sum(acc, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["count"])
 def _finish_kernel(partials_ptr, count, out_ptr, BLOCK: tl.constexpr):
     acc = tl.zeros((BLOCK,), dtype=tl.float64)
     for i in range(0, count, BLOCK):
@@ -39,10 +45,12 @@ def grad_norm(buffers: list[torch.Tensor]) -> torch.Tensor:
     out = torch.zeros((), dtype=torch.float32, device=device)
     if not tensors:
         return out
-    meta, count, chunks = c.build_meta([tensors], [b.numel() for b in tensors], device)
-    partials = torch.empty(chunks, dtype=torch.float64, device=device)
-    _partials_kernel[(chunks,)](meta, count, chunks, partials, CHUNK=c.CHUNK, BLOCK=c.BLOCK, num_warps=c.NUM_WARPS)
-    _finish_kernel[(1,)](partials, chunks, out, BLOCK=1024, num_warps=c.NUM_WARPS)
+    with c.device_guard(device):
+        table, count, chunks, aligned = c.launch_table([tensors], [b.numel() for b in tensors], device)
+        partials = torch.empty(chunks, dtype=torch.float64, device=device)
+        _partials_kernel[(chunks,)](table, count, chunks, partials, ALIGNED=aligned, CHUNK=c.CHUNK, BLOCK=c.BLOCK,
+                                    **c.OPTIONS)  # fmt: skip
+        _finish_kernel[(1,)](partials, chunks, out, BLOCK=1024, **c.OPTIONS)
     return out
 
 

@@ -18,6 +18,7 @@
 #else
 #define AK_HD inline __attribute__((always_inline))
 #endif
+#define AK_RESTRICT __restrict__
 
 namespace accumkernels {
 
@@ -95,13 +96,14 @@ AK_HD uint16_t float_to_fp16(float x) {
 
 // Stochastic rounding to bf16: add 16 random bits below the bf16 mantissa,
 // then truncate, so E[result] = x. inf and NaN round to nearest as usual.
-// The random bits come from sr_random(seed, tensor, index): a murmur3-style
-// hash of the seed, the tensor's position in the op's list and the element's
-// index in that tensor, the same in every backend.
-AK_HD uint32_t sr_random(uint32_t seed, uint32_t tensor, uint64_t index) {
+// The random bits come from sr_random(seed, stream, index): a murmur3-style
+// hash of the seed, the tensor's stream id (its `positions` entry, by default
+// its place in the op's list) and the element's index in the tensor's memory
+// order, the same in every backend.
+AK_HD uint32_t sr_random(uint32_t seed, uint32_t stream, uint64_t index) {
   uint32_t x = (static_cast<uint32_t>(index) * 0x9E3779B1u) ^
                (static_cast<uint32_t>(index >> 32) * 0x85EBCA77u) ^ (seed * 0xC2B2AE3Du) ^
-               (tensor * 0x27D4EB2Fu);
+               (stream * 0x27D4EB2Fu);
   x ^= x >> 16;
   x *= 0x85EBCA6Bu;
   x ^= x >> 13;
@@ -141,6 +143,61 @@ struct Storage<Dtype::kFloat16> {
 // True for inf and NaN.
 AK_HD bool is_nonfinite(float x) { return (float_bits(x) & 0x7F800000u) == 0x7F800000u; }
 
+// torch.maximum: NaN if either operand is NaN (a plain a > b ? a : b drops a NaN in `a`).
+// One select on one mask, so that the CPU loops vectorize it.
+AK_HD float nan_max(float a, float b) { return (a > b) | (a != a) ? a : b; }
+
+// torch.lerp(start, end, weight) as ATen computes it: two forms, chosen by the
+// weight, that round (and treat inf) differently.
+AK_HD float lerp(float start, float end, float weight) {
+  return weight < 0.5f ? start + weight * (end - start) : end - (end - start) * (1.0f - weight);
+}
+
+// ---- weights --------------------------------------------------------------
+// Where a step op reads and writes the weights: the fp32 master copy when
+// kMaster (the param receives it rounded to nearest even), else the param in
+// its storage dtype; kStochastic rounds a bf16 param stochastically with the
+// bits of sr_random(seed, stream, first + i). `first` is the index of element
+// 0 of these pointers in the param's memory order.
+template <Dtype P, bool kMaster, bool kStochastic>
+struct Weights {
+  using T = typename Storage<P>::type;
+  T* AK_RESTRICT param;
+  float* AK_RESTRICT master;
+  uint32_t seed;
+  uint32_t stream;
+  int64_t first;
+
+  AK_HD float load(int64_t i) const { return kMaster ? master[i] : Storage<P>::load(param[i]); }
+  AK_HD T round(int64_t i, float w) const {
+    if constexpr (kStochastic) {
+      return float_to_bf16_stochastic(w, sr_random(seed, stream, static_cast<uint64_t>(first + i)));
+    } else {
+      return Storage<P>::store(w);
+    }
+  }
+  AK_HD void store(int64_t i, float w) const {
+    if (kMaster) master[i] = w;
+    param[i] = round(i, w);
+  }
+};
+
+// ---- per-step scalars -----------------------------------------------------
+// g = grad_scale * grad_scale_tensor[0] * buffer, and the update is skipped
+// when found_inf[0] != 0. The pointers are host memory on the CPU and device
+// memory on CUDA; either may be null (absent). maximize is already folded
+// into the sign of grad_scale.
+struct StepScale {
+  float grad_scale;
+  const float* grad_scale_tensor;
+  const float* found_inf;
+
+  AK_HD float scale() const {
+    return grad_scale_tensor != nullptr ? grad_scale * *grad_scale_tensor : grad_scale;
+  }
+  AK_HD bool skip() const { return found_inf != nullptr && *found_inf != 0.0f; }
+};
+
 // ---- accumulate_ ---------------------------------------------------------
 //   buffer = (0 if overwrite else buffer) + scale * float32(grad)
 template <bool kOverwrite>
@@ -149,7 +206,7 @@ AK_HD float accumulate(float buffer, float grad, float scale) {
 }
 
 // ---- SGD (torch.optim.SGD) -----------------------------------------------
-// g = grad_scale * buffer (grad_scale carries the sign for maximize)
+// g = grad_scale * buffer
 // g += weight_decay * p                            (if weight_decay != 0)
 // momentum: b = g on the first step, else b = momentum * b + (1 - dampening) * g
 //           g = g + momentum * b if nesterov else b
@@ -159,34 +216,38 @@ struct SgdHyper {
   float momentum;
   float one_minus_dampening;  // 1 - dampening, rounded once from double as torch does
   float weight_decay;
+  bool nesterov;
+  bool has_weight_decay;
 };
 
-AK_HD SgdHyper make_sgd_hyper(double lr, double momentum, double dampening, double weight_decay) {
-  return {static_cast<float>(lr), static_cast<float>(momentum), static_cast<float>(1.0 - dampening),
-          static_cast<float>(weight_decay)};
+AK_HD SgdHyper make_sgd_hyper(double lr, double momentum, double dampening, double weight_decay,
+                              bool nesterov) {
+  return {static_cast<float>(lr),        static_cast<float>(momentum),
+          static_cast<float>(1.0 - dampening), static_cast<float>(weight_decay),
+          nesterov,                      weight_decay != 0.0};
 }
 
 enum class Momentum : int { kNone = 0, kFirstStep = 1, kRunning = 2 };
 
-template <Momentum kMomentum, bool kNesterov, bool kWeightDecay>
+template <Momentum kMomentum>
 AK_HD float sgd_update(float p, float g, float& momentum_buffer, const SgdHyper& h) {
-  if (kWeightDecay) g = g + h.weight_decay * p;
+  if (h.has_weight_decay) g = g + h.weight_decay * p;
   if (kMomentum != Momentum::kNone) {
     const float b = kMomentum == Momentum::kFirstStep
                         ? g
                         : h.momentum * momentum_buffer + h.one_minus_dampening * g;
     momentum_buffer = b;
-    g = kNesterov ? g + h.momentum * b : b;
+    g = h.nesterov ? g + h.momentum * b : b;
   }
   return p - h.lr * g;
 }
 
 // ---- Adam / AdamW (torch.optim.Adam, torch.optim.AdamW) -----------------
-// g = grad_scale * buffer (grad_scale carries the sign for maximize)
+// g = grad_scale * buffer
 // Adam:  g += weight_decay * p            AdamW: p *= 1 - lr * weight_decay
-// m = m + (1 - beta1) * (g - m)
+// m = lerp(m, g, 1 - beta1)
 // v = beta2 * v + (1 - beta2) * g * g
-// amsgrad: v_max = max(v_max, v), v_hat = v_max, else v_hat = v
+// amsgrad: v_max = nan_max(v_max, v), v_hat = v_max, else v_hat = v
 // p -= step_size * m / (sqrt(v_hat) / bias_correction2_sqrt + eps)
 // with step_size = lr / (1 - beta1^t) and bias_correction2_sqrt = sqrt(1 - beta2^t)
 // for the step count t after this step. Those two per-tensor values are
@@ -202,10 +263,13 @@ struct AdamHyper {
   float one_minus_beta2;
   float beta2_f;
   float adamw_decay;  // 1 - lr * weight_decay
+  bool adamw;
+  bool amsgrad;
+  bool has_weight_decay;
 };
 
 AK_HD AdamHyper make_adam_hyper(double lr, double beta1, double beta2, double eps,
-                                double weight_decay) {
+                                double weight_decay, bool adamw, bool amsgrad) {
   return {lr,
           beta1,
           beta2,
@@ -214,7 +278,10 @@ AK_HD AdamHyper make_adam_hyper(double lr, double beta1, double beta2, double ep
           static_cast<float>(1.0 - beta1),
           static_cast<float>(1.0 - beta2),
           static_cast<float>(beta2),
-          static_cast<float>(1.0 - lr * weight_decay)};
+          static_cast<float>(1.0 - lr * weight_decay),
+          adamw,
+          amsgrad,
+          weight_decay != 0.0};
 }
 
 struct AdamStepScalars {
@@ -234,21 +301,40 @@ AK_HD AdamStepScalars adam_bias_corrections(const AdamHyper& h, double step) {
 #endif
 }
 
+// The flags of an update, as run-time values (the GPU kernels) or as
+// compile-time constants (the CPU loops: GCC unswitches at most three
+// loop-invariant conditions, and with four the Adam loop is not vectorized).
+struct AdamFlags {
+  bool adamw;
+  bool amsgrad;
+  bool weight_decay;
+};
+
 template <bool kAdamW, bool kAmsgrad, bool kWeightDecay>
+struct StaticAdamFlags {
+  static constexpr bool adamw = kAdamW;
+  static constexpr bool amsgrad = kAmsgrad;
+  static constexpr bool weight_decay = kWeightDecay;
+};
+
+AK_HD AdamFlags adam_flags(const AdamHyper& h) { return {h.adamw, h.amsgrad, h.has_weight_decay}; }
+
+// v_max is read and written only when f.amsgrad.
+template <typename Flags>
 AK_HD float adam_update(float p, float g, float& m, float& v, float& v_max, const AdamHyper& h,
-                        const AdamStepScalars& s) {
-  if (kWeightDecay) {
-    if (kAdamW) {
+                        const AdamStepScalars& s, const Flags& f) {
+  if (f.weight_decay) {
+    if (f.adamw) {
       p = p * h.adamw_decay;
     } else {
       g = g + h.weight_decay * p;
     }
   }
-  m = m + h.one_minus_beta1 * (g - m);
+  m = lerp(m, g, h.one_minus_beta1);
   v = h.beta2_f * v + h.one_minus_beta2 * (g * g);
   float v_hat = v;
-  if (kAmsgrad) {
-    v_max = v_max > v ? v_max : v;
+  if (f.amsgrad) {
+    v_max = nan_max(v_max, v);
     v_hat = v_max;
   }
 #if defined(__CUDA_ARCH__)

@@ -1,0 +1,77 @@
+"""The only code that reads or writes GradScaler internals.
+
+torch.amp.GradScaler keeps, per optimizer (keyed by ``id(optimizer)``), a
+``stage`` (READY, UNSCALED, STEPPED) and the inf/NaN flags its ``update()``
+consumes (``found_inf_per_device``); its scale is ``_scale``. An optimizer with
+``_step_supports_amp_scaling = True`` is called by ``scaler.step()`` directly,
+with the attributes ``grad_scale`` (the scale, or None once unscaled) and
+``found_inf`` set on it for the duration of the call. tests/test_amp.py checks
+every private name used here against the installed torch.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch.amp.grad_scaler import OptState
+
+
+def is_enabled(scaler) -> bool:
+    return scaler is not None and scaler.is_enabled()
+
+
+def inverse_scale(scaler, device: torch.device) -> torch.Tensor:
+    """1 / the current scale, as a 1-element fp32 tensor on ``device`` (the
+    reciprocal taken in fp64, as GradScaler.unscale_ does)."""
+    scale = scaler._scale
+    if scale is None:
+        raise RuntimeError("the GradScaler has not scaled a loss yet: call scaler.scale(loss).backward() first")
+    return scale.double().reciprocal().float().reshape(1).to(device)
+
+
+def report_found_inf(scaler, optimizer, device: torch.device, found_inf: torch.Tensor) -> None:
+    """Hand ``found_inf`` to the scaler as this optimizer's inf check, for its
+    next ``update()`` (which backs off when it is nonzero)."""
+    scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = {device: found_inf.reshape(())}
+
+
+def was_unscaled(scaler, optimizer) -> bool:
+    """``scaler.unscale_(optimizer)`` ran since the last ``update()``."""
+    return scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED
+
+
+def scaler_driving(optimizer):
+    """The GradScaler whose ``step(optimizer)`` is calling ``optimizer.step()``
+    right now, or None. GradScaler sets ``optimizer.grad_scale`` (and
+    ``found_inf``) only for that call and passes no reference to itself; its
+    frame is the caller's."""
+    if not hasattr(optimizer, "found_inf"):
+        return None
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, torch.amp.GradScaler) and frame.f_code.co_name == "step":
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+class LossScale:
+    """The factor that unscales the current micro-step's gradients as they are
+    folded: 1 without a scaler, else 1 / its scale, read once per micro-step."""
+
+    def __init__(self, scaler, device: torch.device) -> None:
+        self.scaler = scaler
+        self.device = device
+        self._cached: torch.Tensor | None = None
+
+    def __call__(self):
+        if not is_enabled(self.scaler):
+            return 1.0
+        if self._cached is None:
+            self._cached = inverse_scale(self.scaler, self.device)
+        return self._cached
+
+    def next_micro_step(self) -> None:
+        self._cached = None

@@ -1,0 +1,91 @@
+"""Checking a checkpoint before AccumulatingOptimizer.load_state_dict writes
+anything, and taking the optimizer state in fp32.
+
+A state dict is the wrapped optimizer's own (``state``, ``param_groups``, params
+as indices in group order) plus, from the wrapper, an ``"accumkernels"`` entry
+with the in-window state. Every tensor is checked against the param it belongs
+to (its elements on this rank: the whole param, or its shard in sharded mode),
+so a checkpoint of another model is refused whole, with the first mismatch
+named, and the wrapper goes on as it was.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _params_in_saved_order(wrapper, state_dict) -> list:
+    """(saved id, record) for every param, pairing the checkpoint's groups with ours."""
+    ours = wrapper.param_groups
+    saved = state_dict.get("param_groups")
+    if not isinstance(saved, list) or "state" not in state_dict:
+        raise ValueError("not an optimizer state dict: it needs 'state' and 'param_groups'")
+    if len(saved) != len(ours):
+        raise ValueError(f"checkpoint has {len(saved)} param groups; this optimizer has {len(ours)}")
+    pairs = []
+    for g, (group_saved, group_ours) in enumerate(zip(saved, ours)):
+        if len(group_saved["params"]) != len(group_ours["params"]):
+            raise ValueError(
+                f"checkpoint's param group {g} has {len(group_saved['params'])} params; this optimizer's has "
+                f"{len(group_ours['params'])}"
+            )
+        pairs += [(i, wrapper._layout.record(p)) for i, p in zip(group_saved["params"], group_ours["params"])]
+    return pairs
+
+
+def check_loadable(wrapper, state_dict: dict, extra: dict | None) -> None:
+    """Raises ValueError naming the first thing that does not fit; writes nothing."""
+    if extra is not None:
+        saved = (extra.get("world_size", 1), extra.get("rank", 0), extra.get("sharded", False))
+        if saved != (wrapper.world_size, wrapper.rank, wrapper.sharded):
+            raise ValueError(
+                f"checkpoint is of rank {saved[1]} of {saved[0]} (sharded={saved[2]}); this wrapper is rank "
+                f"{wrapper.rank} of {wrapper.world_size} (sharded={wrapper.sharded}): each rank loads its own checkpoint"
+            )
+    elif wrapper.sharded:
+        raise ValueError("sharded=True loads only its own state dicts (a plain optimizer's holds whole params)")
+    for saved_id, r in _params_in_saved_order(wrapper, state_dict):
+        like = r.param_view()
+        for key, value in state_dict["state"].get(saved_id, {}).items():
+            if not torch.is_tensor(value):
+                continue
+            if key == "step" or value.numel() == 1 and like.numel() != 1:
+                if value.numel() != 1:
+                    raise ValueError(f"checkpoint's {key!r} of param {r.index} has {value.numel()} elements; expected 1")
+                continue
+            if not value.is_floating_point():
+                raise ValueError(f"checkpoint's {key!r} of param {r.index} has dtype {value.dtype}; expected a float")
+            if tuple(value.shape) != tuple(like.shape):
+                raise ValueError(
+                    f"checkpoint's {key!r} of param {r.index} has shape {tuple(value.shape)}; the param's "
+                    f"{'shard ' if r.shard is not None else ''}has shape {tuple(like.shape)} (a checkpoint of another model?)"
+                )
+    if extra is None:
+        return
+    flat = extra["flat_buffer"]
+    if flat.shape != wrapper._layout.flat.shape:
+        raise ValueError(
+            f"checkpoint buffer has {flat.numel()} elements; this wrapper's has {wrapper._layout.flat.numel()} "
+            "(another model, bucket size or world size?)"
+        )
+    wrapper._window.check_state_dict(extra, len(wrapper._layout))
+    masters = extra.get("master_weights", {})
+    ours = {r.index: r.master for r in wrapper._layout if r.master is not None}
+    if set(masters) != set(ours):
+        raise ValueError(
+            f"checkpoint has master weights for {len(masters)} params; this wrapper keeps them for {len(ours)} "
+            "(was it saved with another master_weights setting?)"
+        )
+    for i, master in masters.items():
+        if master.shape != ours[i].shape:
+            raise ValueError(f"checkpoint's master weights of param {i} have shape {tuple(master.shape)}; "
+                             f"expected {tuple(ours[i].shape)}")  # fmt: skip
+
+
+def load_fp32_state(wrapper, state_dict: dict) -> None:
+    """The plain optimizer casts loaded state to the param dtype (bf16 for bf16
+    params): take the checkpoint's own values, in fp32, instead."""
+    for saved_id, r in _params_in_saved_order(wrapper, state_dict):
+        for key, value in state_dict["state"].get(saved_id, {}).items():
+            if torch.is_tensor(value) and key != "step" and value.is_floating_point():
+                wrapper.state[r.param][key] = value.to(device=r.local.device, dtype=torch.float32, copy=True)

@@ -1,0 +1,289 @@
+"""How gradients get into AccumulatingOptimizer's fp32 buffers. Two intakes:
+
+``HookIntake`` ("hooks"): a post-accumulate-grad hook per param marks its
+gradient ready; when a bucket's gradients are all there, one ``accumulate_``
+call folds them into the buffers (cast, loss-scale and inf check in the same
+pass; a param's first gradient of a window overwrites its buffer, so nothing
+is ever zeroed) and frees ``.grad``. At most a bucket's worth of ``.grad``
+lives beside the buffers. ``.grad`` is never visible after backward.
+
+``GradIntake`` ("grad"): each param's ``.grad`` *is* its fp32 buffer view
+(bf16/fp16 params get ``grad_dtype = torch.float32``), and autograd adds each
+new gradient into it in place. Code that reads or edits ``.grad`` after
+backward (framework clipping, ``GradScaler.unscale_``, norm logging) works on
+the window's true sum. A marker hook per param records which params got a
+gradient. The step clears the buffers (``zero_buffers=True``).
+
+A param is owned by one live intake at a time: a second wrapper over the same
+params is refused until the first is closed.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from . import ops
+from ._layout import Bucket, Layout, ParamRecord
+from ._window import Window
+
+INTAKES = ("hooks", "grad")
+
+# param -> weak reference to the intake that owns it
+_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _call_weak(ref, name, index, param) -> None:
+    intake = ref()
+    if intake is not None:
+        getattr(intake, name)(index)
+
+
+def _remove(handles) -> None:
+    for handle in handles.values():
+        handle.remove()
+
+
+class Intake:
+    """What both intakes share: ownership of the params, the per-param hooks
+    (through a weak reference, so a dropped wrapper is freed at once), and
+    noticing params that start requiring gradients after wrapping."""
+
+    name = ""
+    zero_buffers_at_step = False
+
+    def __init__(self, layout: Layout, window: Window, *, backend: str | None, check_inf: bool,
+                 loss_scale, accum_steps: int | None, bucket_done=None) -> None:  # fmt: skip
+        # loss_scale(): the factor that unscales this micro-step's gradients (1.0 or a tensor);
+        # bucket_done(bucket): called when this rank's window sum of a bucket is final
+        # (distributed runs), during the backward of the window's last micro-step.
+        # Nothing here refers to the wrapper: dropping it frees it (and its buffers) at once.
+        self.layout = layout
+        self.window = window
+        self.backend = backend
+        self.check_inf = check_inf
+        self.loss_scale = loss_scale
+        self.bucket_done = bucket_done
+        self.accum_steps = accum_steps
+        self._claim()
+        self._handles: dict[int, torch.utils.hooks.RemovableHandle] = {}
+        self._hook = functools.partial(_call_weak, weakref.ref(self), "_on_grad")
+        weakref.finalize(self, _remove, self._handles)
+        self._hook_trainable()
+
+    def _claim(self) -> None:
+        for r in self.layout:
+            ref = _OWNERS.get(r.param)
+            if ref is not None and ref() is not None:
+                raise RuntimeError(
+                    f"param {r.index} (shape {tuple(r.param.shape)}) already feeds another AccumulatingOptimizer that "
+                    "is still alive: its hooks would take the gradients and this one would step with empty "
+                    "buffers. Call .close() on the other wrapper first (or delete it)"
+                )
+        for r in self.layout:
+            _OWNERS[r.param] = weakref.ref(self)
+
+    def _hook_trainable(self) -> list[ParamRecord]:
+        """Hook every param that requires grad and has no hook yet; returns them."""
+        new = [r for r in self.layout if r.param.requires_grad and r.index not in self._handles]
+        for r in new:
+            self._handles[r.index] = r.param.register_post_accumulate_grad_hook(
+                functools.partial(self._hook, r.index)
+            )
+        return new
+
+    def refresh(self) -> None:
+        """At every step(): params unfrozen since the last call get their hook
+        now, and a gradient they already received is taken in."""
+        if self.layout.refresh_expected():
+            for r in self._hook_trainable():
+                if r.param.grad is not None:
+                    self._take_late(r)
+
+    def close(self) -> None:
+        _remove(self._handles)
+        self._handles.clear()
+        for r in self.layout:
+            if _OWNERS.get(r.param) is not None and _OWNERS[r.param]() is self:
+                del _OWNERS[r.param]
+
+    def last_micro_step(self) -> bool:
+        """The gradients arriving now belong to the window's last micro-step."""
+        return self.accum_steps is None or self.window.micro_steps + 1 >= self.accum_steps
+
+    def _check_shape(self, r: ParamRecord, grad: torch.Tensor) -> None:
+        if grad.shape != r.param.shape:
+            raise RuntimeError(
+                f"AccumulatingOptimizer: a gradient of shape {tuple(grad.shape)} arrived for param {r.index} of "
+                f"shape {tuple(r.param.shape)}"
+            )
+
+
+class HookIntake(Intake):
+    name = "hooks"
+
+    def __init__(self, *args, **kwargs) -> None:
+        self._pending: dict[int, list[ParamRecord]] = {}  # bucket index -> records whose gradient is waiting
+        super().__init__(*args, **kwargs)
+
+    def _on_grad(self, index: int) -> None:
+        r = self.layout.records[index]
+        grad = r.param.grad
+        if grad is None:
+            return
+        if grad.layout != torch.strided:
+            raise RuntimeError(
+                f"AccumulatingOptimizer: param {r.index} got a sparse gradient; the 'hooks' intake takes dense "
+                "gradients only (intake='grad' adds sparse gradients into the dense buffer)"
+            )
+        self._check_shape(r, grad)
+        bucket = r.bucket
+        last = self.bucket_done is not None and self.last_micro_step()
+        if last and self.bucket_done.launched(bucket):
+            raise RuntimeError(
+                "AccumulatingOptimizer: a gradient arrived for a bucket whose cross-rank reduction has already "
+                "started (a second backward in the window's last micro-step): sum the losses and call backward "
+                "once per micro-step"
+            )
+        pending = self._pending.setdefault(bucket.index, [])
+        pending.append(r)
+        self.window.grads_since_step = True
+        if len(pending) >= bucket.expected:
+            self._fold(bucket)
+            if last:
+                self.bucket_done(bucket)
+
+    def _take_late(self, r: ParamRecord) -> None:
+        self._pending.setdefault(r.bucket.index, []).append(r)
+        self.window.grads_since_step = True
+
+    def flush(self) -> None:
+        """Fold the gradients still waiting in incomplete buckets (params that
+        got no gradient this micro-step leave their bucket incomplete)."""
+        for bucket in self.layout.buckets:
+            if self._pending.get(bucket.index):
+                self._fold(bucket)
+
+    @torch.no_grad()
+    def _fold(self, bucket: Bucket) -> None:
+        # A gradient the user dropped after it arrived (module.zero_grad()) is gone.
+        records = [r for r in self._pending.pop(bucket.index, []) if r.param.grad is not None]
+        found_inf = self.window.step_found_inf if self.check_inf else None
+        scale = self.loss_scale()
+        touched = self.window.touched
+        for overwrite in (True, False):
+            chosen = [r for r in records if (r.index not in touched) == overwrite]
+            if chosen:
+                ops.accumulate_([r.buffer for r in chosen], [r.param.grad for r in chosen], scale,
+                                overwrite=overwrite, found_inf=found_inf, backend=self.backend)  # fmt: skip
+        for r in records:
+            touched.add(r.index)
+            r.param.grad = None
+
+    def zero_grad(self) -> None:
+        """Harmless: folds what is waiting (the window goes on) and drops ``.grad``."""
+        self.flush()
+        for r in self.layout:
+            r.param.grad = None
+
+    def set_grad(self, r: ParamRecord, grad: torch.Tensor | None) -> None:
+        r.param.grad = grad
+
+
+class GradIntake(Intake):
+    name = "grad"
+    zero_buffers_at_step = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._grad_dtypes = {}
+        for r in self.layout:
+            if r.param.dtype != torch.float32:
+                if not hasattr(r.param, "grad_dtype"):
+                    raise RuntimeError(
+                        f"intake='grad' needs torch >= 2.13 for {r.param.dtype} params (param.grad_dtype lets them "
+                        f"hold an fp32 .grad); this is torch {torch.__version__}: use intake='hooks'"
+                    )
+                self._grad_dtypes[r.index] = r.param.grad_dtype
+                r.param.grad_dtype = torch.float32
+            if r.param.grad is not None:  # a gradient from before wrapping counts
+                _copy_into(r.buffer, r.param.grad)
+                self.window.touched.add(r.index)
+            if r.param.requires_grad:
+                r.param.grad = r.buffer
+
+    def _on_grad(self, index: int) -> None:
+        r = self.layout.records[index]
+        grad = r.param.grad
+        if grad is not r.buffer and grad is not None:
+            # .grad was dropped (model.zero_grad()) or replaced: autograd made a
+            # new one; it starts this param's sum over, as it would in plain PyTorch.
+            self._check_shape(r, grad)
+            _copy_into(r.buffer, grad)
+            r.param.grad = r.buffer
+        self.window.touched.add(index)
+        self.window.grads_since_step = True
+
+    def _take_late(self, r: ParamRecord) -> None:
+        self._on_grad(r.index)
+
+    def flush(self) -> None:
+        """Re-attach every view whose ``.grad`` was dropped or replaced since."""
+        for r in self.layout:
+            grad = r.param.grad
+            if grad is r.buffer or (grad is None and not r.param.requires_grad):
+                continue
+            if grad is None:
+                if r.index in self.window.touched:  # dropped mid-window: its sum is discarded
+                    r.buffer.zero_()
+                    self.window.touched.discard(r.index)
+            else:
+                self._check_shape(r, grad)
+                _copy_into(r.buffer, grad)
+                self.window.touched.add(r.index)
+            self.set_grad(r, r.buffer)
+
+    def zero_grad(self) -> None:
+        """As ``optimizer.zero_grad()`` in plain PyTorch: gradients that no
+        ``step()`` took yet (e.g. of a window a GradScaler skipped) are
+        discarded; right after a step there is nothing to discard."""
+        if self.window.grads_since_step:
+            self.layout.zero_views(self.layout.records[i] for i in self.window.touched)
+            self.window.clear()
+        self.flush()
+
+    def set_grad(self, r: ParamRecord, grad: torch.Tensor | None) -> None:
+        """Set ``.grad`` to a tensor of the param's own dtype (the fallback
+        optimizer's input) or back to the fp32 view."""
+        if grad is None or grad is r.buffer:
+            if r.index in self._grad_dtypes:
+                r.param.grad_dtype = torch.float32
+            r.param.grad = r.buffer
+        else:
+            r.param.grad = None
+            if r.index in self._grad_dtypes:
+                r.param.grad_dtype = self._grad_dtypes[r.index]
+            r.param.grad = grad
+
+    def close(self) -> None:
+        super().close()
+        for r in self.layout:
+            if r.param.grad is r.buffer:
+                r.param.grad = None
+            if r.index in self._grad_dtypes:
+                r.param.grad_dtype = self._grad_dtypes[r.index]
+
+
+def _copy_into(buffer: torch.Tensor, grad: torch.Tensor) -> None:
+    """buffer = grad, for a dense or sparse gradient."""
+    if grad.layout == torch.strided:
+        buffer.copy_(grad)
+    else:
+        buffer.zero_().add_(grad)
+
+
+def make_intake(name: str, *args, **kwargs) -> Intake:
+    return {"hooks": HookIntake, "grad": GradIntake}[name](*args, **kwargs)

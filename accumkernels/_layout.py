@@ -1,0 +1,162 @@
+"""Where AccumulatingOptimizer keeps its fp32 sums: one flat buffer per wrapper,
+one view per param, buckets of contiguous views, and one record per param.
+
+Layout of the flat buffer: params in reverse order (the order their gradients
+usually arrive in during backward), each view starting on a 64-byte boundary
+(16 fp32 elements) and carrying its param's sizes and strides (a channels_last
+param gets a channels_last view), grouped into buckets of at most
+``bucket_cap_mb`` of contiguous views. Each bucket is padded to a multiple of
+16 * W elements, W the number of ranks that split it, so every rank's shard of
+it, ``flat[start + r*s : start + (r+1)*s]`` with ``s = (end - start) / W``,
+starts aligned too. All the flat-buffer arithmetic lives here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+ALIGN_ELEMENTS = 16  # 64 bytes of fp32
+
+
+def _round_up(n: int, unit: int) -> int:
+    return -(-n // unit) * unit
+
+
+def flat_view(t: torch.Tensor) -> torch.Tensor:
+    """The elements of a dense tensor in memory order, as a 1-D view."""
+    return t.detach().as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+@dataclass(eq=False)
+class Bucket:
+    """Records whose views are contiguous in the flat buffer, ``flat[start:end]``:
+    the unit in which gradients are folded and reduced across ranks."""
+
+    index: int
+    records: list[ParamRecord]
+    start: int = 0
+    end: int = 0
+    expected: int = 0  # gradients per backward that complete it (its trainable params)
+
+    @property
+    def gather_dtype(self) -> torch.dtype:
+        """The dtype updated params travel in when gathered across ranks:
+        their own when the bucket's params share one, else fp32."""
+        dtypes = {r.param.dtype for r in self.records}
+        return dtypes.pop() if len(dtypes) == 1 else torch.float32
+
+
+@dataclass(eq=False)
+class ParamRecord:
+    """Everything the wrapper keeps about one param."""
+
+    param: torch.Tensor
+    local: torch.Tensor  # the elements this process holds: the param, or a DTensor's local shard
+    index: int  # place in the wrapper's params: also its stochastic-rounding stream id
+    group: int  # its param group
+    offset: int  # first element of its view in the flat buffer
+    bucket: Bucket | None = None
+    buffer: torch.Tensor | None = None  # fp32 view of the flat buffer, laid out like the param
+    shard: tuple[int, int] | None = None  # [lo, hi) of its elements this rank steps; None: all
+    master: torch.Tensor | None = None  # fp32 master weights of what this rank steps
+    extra: dict = field(default_factory=dict)  # per-intake data (e.g. hook handles)
+
+    @property
+    def numel(self) -> int:
+        return self.local.numel()
+
+    @property
+    def stepped_here(self) -> bool:
+        """Whether this rank updates (part of) the param."""
+        return self.shard is None or self.shard[0] < self.shard[1]
+
+    def param_view(self) -> torch.Tensor:
+        """What this rank steps of the param: the param, or its shard's elements (1-D)."""
+        if self.shard is None:
+            return self.local
+        return flat_view(self.local)[self.shard[0] : self.shard[1]]
+
+    def buffer_view(self) -> torch.Tensor:
+        """The buffer elements matching param_view()."""
+        if self.shard is None:
+            return self.buffer
+        return flat_view(self.buffer)[self.shard[0] : self.shard[1]]
+
+
+class Layout:
+    """The flat buffer, its buckets and the records of ``params``.
+
+    ``shard_ranks``: the number of ranks each bucket is split across (1 unless
+    the wrapper shards optimizer state); buckets are padded for it.
+    """
+
+    def __init__(self, params: list[torch.Tensor], groups: list[int], device: torch.device,
+                 bucket_cap_mb: float, shard_ranks: int = 1, local=lambda p: p) -> None:  # fmt: skip
+        # `local` maps a param to the tensor whose elements the buffers hold
+        # (a DTensor's local shard under FSDP2).
+        self.records = [ParamRecord(p, local(p), i, g, 0) for i, (p, g) in enumerate(zip(params, groups))]
+        self._by_id = {id(r.param): r for r in self.records}
+        cap = bucket_cap_mb * 2**20
+        runs, current, size = [], [], 0
+        for r in reversed(self.records):
+            nbytes = r.numel * 4
+            if current and size + nbytes > cap:
+                runs.append(current)
+                current, size = [], 0
+            current.append(r)
+            size += nbytes
+        if current:
+            runs.append(current)
+        self.buckets = [Bucket(i, run) for i, run in enumerate(runs)]
+        total = 0
+        for b in self.buckets:
+            b.start = total
+            for r in b.records:
+                r.bucket = b
+                r.offset = total
+                total += _round_up(r.numel, ALIGN_ELEMENTS)
+            total = _round_up(total, ALIGN_ELEMENTS * shard_ranks)
+            b.end = total
+        self.flat = torch.zeros(total, dtype=torch.float32, device=device)
+        for r in self.records:
+            t = r.local
+            if t.is_contiguous():
+                r.buffer = self.flat[r.offset : r.offset + t.numel()].view(t.shape)
+            else:  # dense in another memory order (e.g. channels_last): the same strides
+                r.buffer = self.flat.as_strided(t.shape, t.stride(), r.offset)
+        self.refresh_expected()
+
+    def __iter__(self):
+        return iter(self.records)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def record(self, param: torch.Tensor) -> ParamRecord | None:
+        return self._by_id.get(id(param))
+
+    def refresh_expected(self) -> bool:
+        """Recount each bucket's trainable params (requires_grad may change
+        during training); returns whether any count changed."""
+        changed = False
+        for b in self.buckets:
+            expected = sum(r.param.requires_grad for r in b.records)
+            changed |= expected != b.expected
+            b.expected = expected
+        return changed
+
+    def set_shards(self, shard_of_bucket) -> None:
+        """Sharded optimizer state: ``shard_of_bucket(bucket)`` gives this rank's
+        [lo, hi) of the flat buffer inside it; each record gets the part of
+        its elements that falls there."""
+        for b in self.buckets:
+            lo, hi = shard_of_bucket(b)
+            for r in b.records:
+                a, z = max(lo, r.offset), min(hi, r.offset + r.numel)
+                r.shard = (a - r.offset, z - r.offset) if a < z else (0, 0)
+
+    def zero_views(self, records) -> None:
+        for r in records:
+            r.buffer.zero_()

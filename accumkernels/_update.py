@@ -1,0 +1,157 @@
+"""The window's update: the fused step-and-zero ops for SGD, Adam and AdamW
+(hyperparameters read from the param groups at every window), the fallback
+that hands any other optimizer the window's gradient as ``.grad``, the global
+gradient norm for clipping, fp32 master weights and the stochastic-rounding
+streams (each param's stream id is its index in the wrapper, so no two params
+share random bits, whatever kernel call they are stepped in)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops
+from ._layout import Layout, ParamRecord
+
+KINDS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
+_STATE_KEYS = {"sgd": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+               "adamw": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")}  # fmt: skip
+
+
+def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
+    """'sgd', 'adam', 'adamw' (the fused step) or 'fallback'."""
+    return KINDS.get(type(optimizer), "fallback")
+
+
+def _number(value):
+    """A hyperparameter given as a tensor (torch.optim allows a tensor lr) is read once per window."""
+    return float(value) if isinstance(value, torch.Tensor) else value
+
+
+class Updater:
+    """Steps the params of a window from the buffers."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, layout: Layout, *, master_weights: bool,
+                 stochastic_rounding: bool, backend: str | None) -> None:  # fmt: skip
+        self.optimizer = optimizer
+        self.kind = optimizer_kind(optimizer)
+        self.layout = layout
+        self.stochastic_rounding = stochastic_rounding
+        self.backend = backend
+        self.master_weights = master_weights
+
+    def make_masters(self) -> None:
+        """fp32 master weights for the bf16/fp16 params this rank steps."""
+        if not self.master_weights:
+            return
+        for r in self.layout:
+            if r.param.dtype in (torch.bfloat16, torch.float16) and r.stepped_here:
+                r.master = r.param_view().detach().float().clone()
+
+    @property
+    def state_keys(self) -> tuple[str, ...]:
+        return _STATE_KEYS.get(self.kind, ())
+
+    # ---- the global norm ------------------------------------------------------
+
+    def local_squared_norm(self, records: list[ParamRecord]) -> torch.Tensor:
+        """Sum of squares of this rank's stepped buffer elements (0-dim fp32)."""
+        views = [r.buffer_view() for r in records if r.stepped_here]
+        if not views:
+            return torch.zeros((), device=self.layout.flat.device)
+        norm = ops.grad_norm(views, backend=self.backend)
+        return norm * norm
+
+    # ---- the step ---------------------------------------------------------------
+
+    def step(self, records: list[ParamRecord], grad_scale, found_inf, seed: int, intake) -> None:
+        """Update ``records`` (the params with a gradient this window) from
+        ``grad_scale * buffer``; skip everything if ``found_inf`` is nonzero.
+        The intake says whether the buffers must be cleared and sets ``.grad``
+        for the fallback."""
+        zero_buffers = intake.zero_buffers_at_step
+        if self.kind == "fallback":
+            self._fallback(records, grad_scale, found_inf, intake)
+            return
+        chosen = {r.index for r in records if r.stepped_here}
+        for g, group in enumerate(self.optimizer.param_groups):
+            members = [r for r in (self.layout.record(p) for p in group["params"]) if r.index in chosen]
+            # One kernel call per (master weights or not, first SGD momentum step or not).
+            for with_master in (True, False):
+                subset = [r for r in members if (r.master is not None) == with_master]
+                if subset:
+                    if self.kind == "sgd":
+                        self._sgd(group, subset, grad_scale, found_inf, seed, zero_buffers)
+                    else:
+                        self._adam(group, subset, grad_scale, found_inf, seed, zero_buffers)
+
+    def _state_like(self, r: ParamRecord, key: str) -> torch.Tensor:
+        """The fp32 state tensor ``key`` of ``r`` (of its shard when sharded),
+        created as zeros laid out like what is stepped if missing."""
+        like = r.param_view()
+        state = self.optimizer.state[r.param]
+        value = state.get(key)
+        local = value.to_local() if hasattr(value, "to_local") else value
+        if local is None or local.dtype != torch.float32 or local.device != like.device or local.stride() != like.stride():
+            fresh = torch.zeros_like(like, dtype=torch.float32, memory_format=torch.preserve_format)
+            if local is not None:
+                fresh.copy_(local.reshape(fresh.shape))
+            state[key] = value = local = fresh
+        return local
+
+    def _common(self, group, subset, grad_scale, found_inf, seed, zero_buffers) -> dict:
+        return dict(
+            grad_scale=grad_scale, found_inf=found_inf, maximize=group.get("maximize", False),
+            master_params=[r.master for r in subset] if subset[0].master is not None else None,
+            zero_buffers=zero_buffers, stochastic_rounding=self.stochastic_rounding, seed=seed,
+            positions=[r.index for r in subset], backend=self.backend,
+        )  # fmt: skip
+
+    def _sgd(self, group, subset, grad_scale, found_inf, seed, zero_buffers) -> None:
+        momentum = group["momentum"]
+        # torch.optim starts a momentum buffer as a copy of the first gradient:
+        # params without one take a separate first-step call.
+        first = {r.index for r in subset if momentum and self.optimizer.state[r.param].get("momentum_buffer") is None}
+        for is_first in (True, False):
+            chosen = [r for r in subset if (r.index in first) == is_first]
+            if not chosen:
+                continue
+            ops.sgd_step_and_zero_(
+                [r.param_view() for r in chosen], [r.buffer_view() for r in chosen],
+                [self._state_like(r, "momentum_buffer") for r in chosen] if momentum else None,
+                lr=_number(group["lr"]), momentum=momentum, dampening=group["dampening"],
+                weight_decay=group["weight_decay"], nesterov=group["nesterov"], is_first_step=is_first,
+                **self._common(group, chosen, grad_scale, found_inf, seed, zero_buffers),
+            )  # fmt: skip
+
+    def _adam(self, group, subset, grad_scale, found_inf, seed, zero_buffers) -> None:
+        adamw = self.kind == "adamw" or group.get("decoupled_weight_decay", False)
+        amsgrad = group["amsgrad"]
+        steps = []
+        for r in subset:
+            state = self.optimizer.state[r.param]
+            step = state.get("step")
+            if step is None or not torch.is_tensor(step) or step.device != r.local.device or step.dtype != torch.float32:
+                step = torch.tensor(float(step or 0.0), dtype=torch.float32, device=r.local.device)
+                state["step"] = step
+            steps.append(step)
+        fn = ops.adamw_step_and_zero_ if adamw else ops.adam_step_and_zero_
+        fn(
+            [r.param_view() for r in subset], [r.buffer_view() for r in subset],
+            [self._state_like(r, "exp_avg") for r in subset], [self._state_like(r, "exp_avg_sq") for r in subset],
+            steps, max_exp_avg_sqs=[self._state_like(r, "max_exp_avg_sq") for r in subset] if amsgrad else None,
+            lr=_number(group["lr"]), betas=tuple(_number(b) for b in group["betas"]), eps=group["eps"],
+            weight_decay=group["weight_decay"], amsgrad=amsgrad,
+            **self._common(group, subset, grad_scale, found_inf, seed, zero_buffers),
+        )  # fmt: skip
+
+    def _fallback(self, records, grad_scale, found_inf, intake) -> None:
+        """Any other optimizer: hand it the window's gradient as .grad and let it
+        step. The inf/NaN skip needs one host sync here."""
+        if found_inf is None or not bool(found_inf.item()):
+            for r in records:
+                intake.set_grad(r, (r.buffer * grad_scale).to(r.param.dtype))
+            self.optimizer.step()
+            for r in records:
+                intake.set_grad(r, None)
+        if intake.zero_buffers_at_step:
+            self.layout.zero_views(records)

@@ -1,0 +1,132 @@
+"""What the current window has seen: which params got a gradient, how many
+micro-steps and items, the inf/NaN flags, a pending clip coefficient; and how
+the window's sum is normalized.
+
+The window's gradient of a param is ``grad_scale * buffer`` with::
+
+    grad_scale = c * A / D
+    c = min(1, max_norm / (norm + 1e-6)) if clipping, else 1
+    A = the divisor the buffers already carry (W when a data-parallel
+        reduction averaged them over W ranks, else 1)
+    D = the micro-steps of the window (normalize="mean"), 1 ("sum") or the
+        window's total of step(num_items=...) ("items"), over every rank
+"""
+
+from __future__ import annotations
+
+import torch
+
+NORMALIZE = ("mean", "sum", "items")
+
+
+class Window:
+    """The state of the current window. Everything that changes during training
+    lives here (not on the wrapper), so a proxy object that copies the
+    wrapper's attributes (Lightning's LightningOptimizer) shares it."""
+
+    def __init__(self, normalize: str, device: torch.device, seed: int) -> None:
+        self.normalize = normalize
+        self.device = device
+        self.seed = seed  # stochastic rounding: fixed for the run, mixed with the window count
+        self.windows = 0  # windows ended so far
+        self.stepped = False  # the last step() call ended a window
+        self.last_grad_norm: torch.Tensor | None = None
+        self.found_inf = torch.zeros(1, device=device)  # any inf/NaN in the window so far
+        self.step_found_inf = torch.zeros(1, device=device)  # ... in the current micro-step
+        self.clear()
+
+    def clear(self) -> None:
+        self.touched: set[int] = set()  # indices of the params with a gradient in this window
+        self.micro_steps = 0  # completed step() calls in this window
+        self.grads_since_step = False  # a gradient arrived since the last step() call
+        self.items: float | torch.Tensor = 0.0
+        self.found_inf.zero_()
+        self.clip_coef: torch.Tensor | None = None
+        self.divisor = 1.0  # A above: set when a reduction averages the buffers over ranks
+
+    def window_seed(self) -> int:
+        """The stochastic rounding seed of the current window: a new one every
+        window, a function of the run's seed."""
+        return (self.seed * 0x9E3779B1 + self.windows * 0x85EBCA77 + 0x165667B1) % 2**32
+
+    def count_items(self, num_items) -> None:
+        if self.normalize != "items":
+            if num_items is not None:
+                raise ValueError(f"num_items is only used with normalize='items' (this wrapper has {self.normalize!r})")
+            return
+        if num_items is None:
+            raise ValueError("normalize='items' needs step(num_items=n) on every micro-step")
+        if isinstance(num_items, torch.Tensor):
+            if num_items.numel() != 1:
+                raise ValueError(f"num_items must have 1 element; got {num_items.numel()}")
+            self.items = self.items + num_items.reshape(()).to(self.device, torch.float32)
+        else:
+            if isinstance(num_items, bool) or not isinstance(num_items, (int, float)) or not num_items > 0:
+                raise ValueError(f"num_items must be > 0; got {num_items!r}")
+            self.items = self.items + float(num_items)
+
+    def normalization(self, pending: bool = False):
+        """A / D of the module docstring for this rank's window so far (``pending``:
+        count a micro-step whose gradients arrived but whose step() has not)."""
+        if self.normalize == "sum":
+            return self.divisor
+        if self.normalize == "mean":
+            return self.divisor / max(1, self.micro_steps + (1 if pending and self.grads_since_step else 0))
+        if isinstance(self.items, torch.Tensor):
+            return self.divisor / self.items
+        if self.items <= 0:
+            raise RuntimeError("normalize='items': no items were counted in this window yet")
+        return self.divisor / self.items
+
+    def end_micro_step(self, check_inf: bool) -> torch.Tensor | None:
+        """Count a micro-step; returns its inf/NaN flag (when checked)."""
+        self.micro_steps += 1
+        self.grads_since_step = False
+        if not check_inf:
+            return None
+        flag = self.step_found_inf
+        torch.maximum(self.found_inf, flag, out=self.found_inf)
+        self.step_found_inf = torch.zeros(1, device=self.device)
+        return flag
+
+    def combine_clip(self, coef: torch.Tensor) -> None:
+        self.clip_coef = coef if self.clip_coef is None else torch.minimum(coef, self.clip_coef)
+
+    # ---- checkpoints --------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {
+            "touched": sorted(self.touched),
+            "micro_steps": self.micro_steps,
+            "items": self.items.clone() if isinstance(self.items, torch.Tensor) else self.items,
+            "window_found_inf": self.found_inf.clone(),
+            "step_found_inf": self.step_found_inf.clone(),
+            "clip_coef": None if self.clip_coef is None else self.clip_coef.clone(),
+            "windows": self.windows,
+            "seed": self.seed,
+            "divisor": self.divisor,
+        }
+
+    def check_state_dict(self, saved: dict, param_count: int) -> None:
+        """Raises if ``saved`` cannot be loaded; loads nothing."""
+        bad = [i for i in saved["touched"] if not (isinstance(i, int) and 0 <= i < param_count)]
+        if bad:
+            raise ValueError(f"checkpoint window names params {bad[:5]} of {param_count}; it is of another model")
+        for key in ("window_found_inf", "step_found_inf"):
+            if saved[key].numel() != 1:
+                raise ValueError(f"checkpoint window entry {key!r} must have 1 element; got {saved[key].numel()}")
+        if not (isinstance(saved["micro_steps"], int) and saved["micro_steps"] >= 0):
+            raise ValueError(f"checkpoint window has micro_steps={saved['micro_steps']!r}")
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.touched = set(saved["touched"])
+        self.micro_steps = saved["micro_steps"]
+        items = saved["items"]
+        self.items = items.to(self.device) if isinstance(items, torch.Tensor) else items
+        self.found_inf.copy_(saved["window_found_inf"])
+        self.step_found_inf.copy_(saved["step_found_inf"])
+        self.clip_coef = None if saved["clip_coef"] is None else saved["clip_coef"].to(self.device)
+        self.windows = saved.get("windows", 0)
+        self.seed = saved.get("seed", self.seed)
+        self.divisor = saved.get("divisor", 1.0)
+        self.grads_since_step = False

@@ -1,0 +1,160 @@
+"""formulas.h in Triton: the same functions, with the same names and meaning,
+for the Triton kernels (csrc/include/accumkernels/formulas.h is the original;
+both are tested against accumkernels/backends/reference.py). Values are fp32
+blocks; integer work is done in int64 and kept to 32 bits where formulas.h
+uses uint32_t."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# ---- conversions ------------------------------------------------------------
+# bf16 by integer ops: the interpreter's own bf16 casts truncate and mishandle
+# subnormals.
+
+
+@triton.jit
+def bf16_to_float(h):
+    """bf16 bits (uint16) -> fp32, exact."""
+    return (h.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def float_to_bf16(x):
+    """fp32 -> bf16 bits (uint16), round to nearest even; NaN stays a quiet NaN."""
+    u = x.to(tl.uint32, bitcast=True)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    is_nan = (u & 0x7FFFFFFF) > 0x7F800000
+    return tl.where(is_nan, (u >> 16) | 0x40, rounded).to(tl.uint16)
+
+
+@triton.jit
+def sr_random(seed, stream, index):
+    """The random bits of stochastic rounding: a murmur3-style hash of the seed,
+    the tensor's stream id and the element's index in its memory order (int64
+    arithmetic kept to 32 bits: the low 32 bits of a product do not depend on
+    the high bits)."""
+    m = 0xFFFFFFFF
+    x = ((index & m) * 0x9E3779B1) & m
+    x = x ^ ((((index >> 32) & m) * 0x85EBCA77) & m)
+    x = x ^ (((seed & m) * 0xC2B2AE3D) & m)
+    x = x ^ (((stream & m) * 0x27D4EB2F) & m)
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & m
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & m
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def float_to_bf16_stochastic(x, random):
+    """fp32 -> bf16 bits adding 16 random bits below the mantissa, then
+    truncating; inf and NaN round to nearest."""
+    bits = x.to(tl.uint32, bitcast=True).to(tl.int64)
+    stochastic = (bits + (random & 0xFFFF)) >> 16
+    special = (bits & 0x7F800000) == 0x7F800000
+    return tl.where(special, float_to_bf16(x).to(tl.int64), stochastic).to(tl.uint16)
+
+
+@triton.jit
+def is_nonfinite(x):
+    """inf or NaN: x - x is NaN exactly for those."""
+    return (x - x) != 0.0
+
+
+@triton.jit
+def nan_max(a, b):
+    """torch.maximum: NaN if either operand is NaN."""
+    return tl.where(a != a, a, tl.where(a > b, a, b))
+
+
+@triton.jit
+def lerp(start, end, weight):
+    """torch.lerp's two forms, chosen by the (uniform) weight."""
+    if weight < 0.5:
+        out = start + weight * (end - start)
+    else:
+        out = end - (end - start) * (1.0 - weight)
+    return out
+
+
+# ---- accumulate_ ----------------------------------------------------------------
+
+
+@triton.jit
+def accumulate(buffer, grad, scale, OVERWRITE: tl.constexpr):
+    """buffer = (0 if overwrite else buffer) + scale * grad."""
+    if OVERWRITE:
+        out = scale * grad
+    else:
+        out = buffer + scale * grad
+    return out
+
+
+# ---- SGD ----------------------------------------------------------------------
+
+NO_MOMENTUM = tl.constexpr(0)
+FIRST_STEP = tl.constexpr(1)
+RUNNING = tl.constexpr(2)
+
+
+@triton.jit
+def sgd_update(p, g, momentum_buffer, lr, momentum, one_minus_dampening, weight_decay, nesterov,
+               has_weight_decay, MOMENTUM: tl.constexpr):  # fmt: skip
+    """(new weight, new momentum buffer), as formulas.h's sgd_update."""
+    if has_weight_decay:
+        g = g + weight_decay * p
+    b = momentum_buffer
+    if MOMENTUM != NO_MOMENTUM:
+        if MOMENTUM == FIRST_STEP:
+            b = g
+        else:
+            b = momentum * momentum_buffer + one_minus_dampening * g
+        if nesterov:
+            g = g + momentum * b
+        else:
+            g = b
+    return p - lr * g, b
+
+
+# ---- Adam / AdamW -------------------------------------------------------------
+
+
+@triton.jit
+def _pow_int(base, exponent):
+    """base ** exponent for a non-negative integer exponent < 2^31, by squaring (fp64)."""
+    result = base * 0.0 + 1.0
+    for _ in range(31):
+        result = tl.where((exponent & 1) != 0, result * base, result)
+        base = base * base
+        exponent = exponent >> 1
+    return result
+
+
+@triton.jit
+def adam_bias_corrections(lr, beta1, beta2, step):
+    """(step_size, bias_correction2_sqrt) for step count `step` (fp64 math, fp32 results)."""
+    t = step.to(tl.int32)
+    step_size = (lr / (1.0 - _pow_int(beta1, t))).to(tl.float32)
+    bias_correction2_sqrt = tl.sqrt(1.0 - _pow_int(beta2, t)).to(tl.float32)
+    return step_size, bias_correction2_sqrt
+
+
+@triton.jit
+def adam_update(p, g, m, v, v_max, step_size, bias_correction2_sqrt, eps, weight_decay, one_minus_beta1,
+                one_minus_beta2, beta2_f, adamw_decay, adamw, has_weight_decay, AMSGRAD: tl.constexpr):  # fmt: skip
+    """(new weight, m, v, v_max), as formulas.h's adam_update."""
+    if has_weight_decay:
+        if adamw:
+            p = p * adamw_decay
+        else:
+            g = g + weight_decay * p
+    m = lerp(m, g, one_minus_beta1)
+    v = beta2_f * v + one_minus_beta2 * (g * g)
+    v_hat = v
+    if AMSGRAD:
+        v_max = nan_max(v_max, v)
+        v_hat = v_max
+    denom = tl.div_rn(tl.sqrt_rn(v_hat), bias_correction2_sqrt) + eps
+    return p - step_size * tl.div_rn(m, denom), m, v, v_max

@@ -1,0 +1,89 @@
+"""Every Triton kernel variant the launchers can produce, compiled ahead of
+time for sm_90 without a GPU (run as a script by tests/test_triton.py: the
+Triton interpreter must be off). Prints one JSON line per variant: its name,
+whether it is an ALIGNED variant of a memory kernel, the kinds of global loads
+and stores in its PTX and its count of fused fp32 multiply-adds."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+
+from accumkernels.backends.triton import _common, accumulate, adam, grad_norm, sgd
+
+TARGET = GPUTarget("cuda", 90, 32)
+DTYPES = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}
+BOOLS = (False, True)
+# The param kinds a step launch is compiled for: (dtype, master weights, stochastic rounding).
+PARAM_KINDS = [("fp32", False, False), ("bf16", False, False), ("bf16", False, True), ("bf16", True, False),
+               ("fp16", False, False), ("fp16", True, False)]  # fmt: skip
+TABLE = {"table": "*i64", "T": "i32", "C": "i32"}
+SCALARS = {"grad_scale": "fp32", "grad_scale_ptr": "*fp32", "found_inf_ptr": "*fp32", "seed": "i32"}
+
+
+def variants():
+    blocks = dict(CHUNK=_common.CHUNK, BLOCK=_common.BLOCK)
+    for dtype, overwrite, scale, found, aligned in itertools.product(DTYPES, BOOLS, BOOLS, BOOLS, BOOLS):
+        yield (f"accumulate-{dtype}-overwrite{overwrite:d}-scale{scale:d}-inf{found:d}-aligned{aligned:d}", "accumulate",
+               {**TABLE, "scale": "fp32", "scale_ptr": "*fp32", "found_inf_ptr": "*fp32"},
+               dict(GRAD_DTYPE=DTYPES[dtype], OVERWRITE=overwrite, HAS_SCALE_TENSOR=scale, HAS_FOUND_INF=found,
+                    ALIGNED=aligned, **blocks), aligned)  # fmt: skip
+    sgd_types = {**TABLE, **SCALARS, "lr": "fp32", "momentum": "fp32", "one_minus_dampening": "fp32",
+                 "weight_decay": "fp32", "nesterov": "i1", "has_weight_decay": "i1"}  # fmt: skip
+    adam_types = {**TABLE, **SCALARS, "scalars": "*fp64", "eps": "fp32", "weight_decay": "fp32",
+                  "one_minus_beta1": "fp32", "one_minus_beta2": "fp32", "beta2_f": "fp32", "adamw_decay": "fp32",
+                  "adamw": "i1", "has_weight_decay": "i1"}  # fmt: skip
+    for (dtype, master, sr), scale, found, zero, aligned in itertools.product(PARAM_KINDS, BOOLS, BOOLS, BOOLS, BOOLS):
+        common = dict(PARAM_DTYPE=DTYPES[dtype], HAS_MASTER=master, STOCHASTIC=sr, HAS_GRAD_SCALE_TENSOR=scale,
+                      HAS_FOUND_INF=found, ZERO_BUFFERS=zero, ALIGNED=aligned, **blocks)  # fmt: skip
+        tag = f"{dtype}-master{master:d}-sr{sr:d}-scale{scale:d}-inf{found:d}-zero{zero:d}-aligned{aligned:d}"
+        for momentum in (0, 1, 2):
+            yield f"sgd-{tag}-momentum{momentum}", "sgd", sgd_types, dict(MOMENTUM=momentum, **common), aligned
+        for amsgrad in BOOLS:
+            yield f"adam-{tag}-amsgrad{amsgrad:d}", "adam", adam_types, dict(AMSGRAD=amsgrad, **common), aligned
+    for found in BOOLS:
+        yield f"increment-steps-inf{found:d}", "increment", {"table": "*i64", "T": "i32", "found_inf_ptr": "*fp32"}, \
+            dict(HAS_FOUND_INF=found), False
+    for aligned in BOOLS:
+        yield f"norm-partials-aligned{aligned:d}", "partials", {**TABLE, "partials_ptr": "*fp64"}, \
+            dict(ALIGNED=aligned, **blocks), aligned
+    yield "norm-finish", "finish", {"partials_ptr": "*fp64", "count": "i32", "out_ptr": "*fp32"}, dict(BLOCK=1024), False
+
+
+KERNELS = {
+    "accumulate": accumulate._accumulate_kernel,
+    "sgd": sgd._sgd_kernel,
+    "adam": adam._adam_kernel,
+    "increment": adam._increment_steps_kernel,
+    "partials": grad_norm._partials_kernel,
+    "finish": grad_norm._finish_kernel,
+}
+
+
+def compile_one(variant) -> dict:
+    name, kernel, types, constexprs, aligned = variant
+    fn = KERNELS[kernel]
+    signature = {arg: types.get(arg, "constexpr") for arg in fn.arg_names}
+    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    options = {k: v for k, v in _common.OPTIONS.items()} or {"num_warps": _common.NUM_WARPS, "enable_fp_fusion": False}
+    ptx = triton.compile(source, target=TARGET, options=options).asm["ptx"]
+    accesses = sorted(set(re.findall(r"\b((?:ld|st)\.global(?:\.[a-z0-9]+)*)", ptx)))
+    return {"name": name, "kernel": kernel, "aligned": aligned, "accesses": accesses,
+            "fma_f32": len(re.findall(r"\bfma\.rn(?:\.ftz)?\.f32\b", ptx))}  # fmt: skip
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("run without TRITON_INTERPRET=1: this compiles for sm_90")
+    todo = list(variants())
+    with ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        for result in pool.map(compile_one, todo, chunksize=4):
+            print(json.dumps(result), flush=True)
