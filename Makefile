@@ -19,6 +19,7 @@ NATIVE_SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
 .PHONY: test bench build clean
 
 $(VENV)/.deps:
+	@echo "== setting up $(VENV): $(TORCH) (a CUDA build is ~5.5 GB), ninja, pytest, numpy, matplotlib; 1-3 minutes"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)" ninja pytest numpy matplotlib "setuptools>=77" wheel
@@ -27,6 +28,7 @@ $(VENV)/.deps:
 	touch $@
 
 $(VENV)/.built: $(VENV)/.deps $(NATIVE_SOURCES)
+	@echo "== building accumkernels' CPU kernels (and its CUDA kernels where a toolkit is found): about 4 minutes on 2 cores"
 	$(PY) -m pip install --quiet --no-build-isolation --no-deps -e .
 	touch $@
 

@@ -31,8 +31,8 @@ try:
     import torch  # noqa: F401  (the extension is built against the torch installed here)
 except ImportError:
     sys.exit(
-        "accumkernels: torch is not installed in this environment. Install torch first, then build "
-        "with `pip install --no-build-isolation -e .` (build isolation would hide that torch)."
+        "accumkernels: this build cannot import torch. Install torch into your environment first, then build with "
+        "`pip install --no-build-isolation -e .` (pip's default build isolation hides the installed torch)."
     )
 
 ROOT = Path(__file__).parent.resolve()

@@ -291,7 +291,7 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=15, help="timed repetitions per case (median reported)")
     parser.add_argument("--quick", action="store_true", help="4M elements, one smaller model list, 5 reps")
     parser.add_argument("--out", default=None, help="results file name (no .json)")
-    parser.add_argument("--results-dir", default=None, help="where to write it (default bench/results/)")
+    parser.add_argument("--results-dir", default=None, help="where to write it (default bench/results/local/)")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     default_numel = 64 * 2**20 if device.type == "cuda" else 32 * 2**20

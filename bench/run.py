@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present, else cpu)")
     parser.add_argument("--quick", action="store_true", help="small sizes and few repetitions (about a minute)")
-    parser.add_argument("--results-dir", default=None, help="where to write (default bench/results/)")
+    parser.add_argument("--results-dir", default=None, help="where to write (default bench/results/local/; the committed results: bench/results)")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     folder = Path(args.results_dir) if args.results_dir else common.RESULTS

@@ -245,7 +245,27 @@ def misuse(cfg, rank, world):
     return {"errors": errors, "micro_steps": opt.micro_steps}
 
 
-SCENARIOS = {"parity": parity, "count": count, "inf_skip": inf_skip, "resume": resume, "ddp_refused": ddp_refused,
+def wire_contribution(seed: int, rank: int, n: int) -> torch.Tensor:
+    """Rank ``rank``'s window sum in the wire scenario: magnitudes over many octaves."""
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    return torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 3)
+
+
+def wire(cfg, rank, world):
+    """One reduction of known contributions over the bf16 wire: this rank's
+    buffer after it (sharded: its shard holds the sum) and its shard ranges."""
+    model = Net()
+    opt = wrapped(cfg, model)
+    flat, reducer = opt._layout.flat, opt._reducer
+    flat.copy_(wire_contribution(cfg["seed"], rank, flat.numel()))
+    opt._window.touched = set(range(len(opt._layout)))
+    reducer.launch_remaining()
+    reducer.finish()
+    shards = [reducer.shard(b.index) for b in opt._layout.buckets] if cfg.get("sharded") else None
+    return {"flat": flat.clone(), "shards": shards}
+
+
+SCENARIOS = {"wire": wire, "parity": parity, "count": count, "inf_skip": inf_skip, "resume": resume, "ddp_refused": ddp_refused,
              "misuse": misuse, "modes_agree": modes_agree}
 
 

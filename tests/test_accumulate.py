@@ -104,7 +104,12 @@ def test_every_bf16_pattern(backend):
 
 
 def test_empty_list_is_a_no_op(backend):
-    ak.accumulate_([], [], 2.0, backend=backend)
+    found_inf = torch.zeros(1)
+    ak.accumulate_([], [], 2.0, found_inf=found_inf, backend=backend)
+    assert found_inf.item() == 0.0
+    # ... that still checks its scale.
+    with pytest.raises(TypeError, match="scale"):
+        ak.accumulate_([], [], "2", backend=backend)
 
 
 def test_overwrite_ignores_old_nan(backend):

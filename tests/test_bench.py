@@ -21,7 +21,10 @@ def test_kernel_benchmark_quick_mode(native_only, tmp_path):
     assert {"ceiling", "accumulate_bf16[cpu]", "list512[cpu]", "adamw[cpu]", "adamw_torch_fused"} <= keys
     assert result["machine"]["commit"] and result["machine"]["torch"] == __import__("torch").__version__
     assert all(r["median_ms"] > 0 and r["fraction_of_ceiling"] > 0 for r in result["rows"])
-    assert "headline" in out.stdout or "headline" in result
+    heads = {h["figure"]: h for h in result["headline"]}
+    assert "accumulate_ bf16 GB/s / ceiling GB/s" in heads
+    assert all(h["value"] > 0 and h["target"] > 0 and isinstance(h["met"], bool) for h in heads.values())
+    assert "headline [cpu]" in out.stdout
 
 
 def test_suite_quick_mode(native_only, tmp_path):
@@ -40,3 +43,12 @@ def test_suite_quick_mode(native_only, tmp_path):
     assert n4["ours-bf16"] * 100 <= n4["plain-bf16"]
     for name in ("sizes", "windows", "trade"):
         assert (tmp_path / f"suite-cpu-quick-{name}.png").stat().st_size > 0
+
+
+def test_a_users_run_does_not_overwrite_the_committed_results():
+    from bench import common
+
+    assert common.RESULTS != ROOT / "bench" / "results"
+    probe = common.RESULTS / "suite-cpu.json"
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(probe)], cwd=ROOT)
+    assert ignored.returncode == 0, f"{probe} must be ignored by git"

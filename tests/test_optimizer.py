@@ -497,3 +497,112 @@ def test_a_dropped_wrapper_is_freed_and_unhooked():
         gc.enable()
     F.mse_loss(model(x), y).backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+# ---- what must never be silent -------------------------------------------------
+
+
+@pytest.mark.parametrize("intake", ak.AccumulatingOptimizer.INTAKES)
+def test_staged_unfreezing(backend, intake):
+    """A param frozen when the wrapper is built and unfrozen later (a
+    fine-tuning schedule) gets its gradients applied, as with plain AdamW."""
+    windows = [data() for _ in range(4)]
+    plain, ours = mlp(), mlp()
+    for m in (plain, ours):
+        m[0].weight.requires_grad_(False)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, eps=ADAM_EPS)
+    opt = ak.AccumulatingOptimizer(torch.optim.AdamW(ours.parameters(), lr=1e-2, eps=ADAM_EPS), accum_steps=4,
+                                   intake=intake, backend=backend)  # fmt: skip
+    frozen = ours[0].weight.detach().clone()
+    for w, (x, y) in enumerate(windows):
+        if w == 1:
+            for m in (plain, ours):
+                m[0].weight.requires_grad_(True)
+        if w == 3:  # and frozen again
+            for m in (plain, ours):
+                m[3].bias.requires_grad_(False)
+        big_batch_run(plain, plain_opt, [(x, y)])
+        micro_batch_run(ours, opt, [(x, y)], 4)
+        if w == 0:
+            assert torch.equal(ours[0].weight, frozen)
+    assert not torch.equal(ours[0].weight, frozen), "the unfrozen weight must train"
+    assert rel_diff(ours, plain) <= 1e-5
+
+
+def test_a_refused_checkpoint_changes_nothing(backend):
+    """Another model with as many params of other shapes: load_state_dict
+    raises before anything is written, and the wrapper trains on as before."""
+    x, y = data()
+
+    def trained(model):
+        opt = ak.AccumulatingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), accum_steps=2, master_weights=False,
+                                       backend=backend)  # fmt: skip
+        micro_batch_run(model, opt, [(x, y)], 2)
+        F.mse_loss(model(x[:8]), y[:8]).backward()
+        opt.step()  # mid-window
+        return opt
+
+    ours, twin = mlp(), mlp()
+    opt = trained(ours)
+    other = nn.Sequential(nn.Linear(12, 33), nn.LayerNorm(33), nn.GELU(), nn.Linear(33, 3))
+    other_opt = ak.AccumulatingOptimizer(torch.optim.AdamW(other.parameters(), lr=1e-2), accum_steps=2, backend=backend)
+    F.mse_loss(other(x), y).backward()
+    other_opt.step()
+    other_opt.step()
+    snapshot = copy.deepcopy(opt.state_dict())
+    for bad in (other_opt.state_dict(), {k: v for k, v in other_opt.state_dict().items() if k != "accumkernels"}):
+        with pytest.raises(ValueError, match="shape|elements"):
+            opt.load_state_dict(copy.deepcopy(bad))
+        after = opt.state_dict()
+        for p in snapshot["state"]:
+            for key, value in snapshot["state"][p].items():
+                assert torch.equal(after["state"][p][key], value), f"state {key} of param {p} changed"
+        assert torch.equal(after["accumkernels"]["flat_buffer"], snapshot["accumkernels"]["flat_buffer"])
+        assert after["accumkernels"]["micro_steps"] == 1
+    # ... and it trains on exactly like an untouched twin.
+    twin_opt = trained(twin)
+    for model, o in ((ours, opt), (twin, twin_opt)):
+        F.mse_loss(model(x[8:16]), y[8:16]).backward()
+        o.step()
+    assert rel_diff(ours, twin) == 0
+
+
+def test_a_second_wrapper_on_the_same_params_is_refused():
+    model = mlp()
+    first = ak.AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accum_steps=2)
+    with pytest.raises(RuntimeError, match="another AccumulatingOptimizer"):
+        ak.AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accum_steps=2)
+    first.close()  # the explicit hand-over
+    second = ak.AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accum_steps=2)
+    x, y = data(8)
+    F.mse_loss(model(x), y).backward()
+    second.step()
+    second.step()
+    assert second.state_dict()["accumkernels"]["windows"] == 1
+    del second  # dropping a wrapper releases its params too
+    ak.AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_stochastic_rounding_streams_are_per_param_and_per_run(backend):
+    """Two groups of identical bf16 params with identical gradients: every
+    param draws its own bits (its index in the wrapper is its stream); a run
+    draws its seed from torch's generator and saves it."""
+    def run(seed=None):
+        params = [nn.Parameter(torch.ones(2048, dtype=torch.bfloat16)) for _ in range(4)]
+        inner = torch.optim.SGD([{"params": params[:2]}, {"params": params[2:], "momentum": 0.5}], lr=1e-3)
+        opt = ak.AccumulatingOptimizer(inner, accum_steps=1, stochastic_rounding=True, seed=seed, backend=backend)
+        sum((p.float() * 0.37).sum() for p in params).backward()
+        opt.step()
+        return params, opt
+
+    params, opt = run(seed=1234)
+    assert opt.state_dict()["accumkernels"]["seed"] == 1234
+    assert not torch.equal(params[0], params[1]) and not torch.equal(params[0], params[2])
+    again, _ = run(seed=1234)
+    assert all(torch.equal(a, b) for a, b in zip(params, again)), "the same seed, the same bits"
+    torch.manual_seed(1)
+    drawn, opt_a = run()
+    torch.manual_seed(2)
+    other, opt_b = run()
+    assert opt_a.state_dict()["accumkernels"]["seed"] != opt_b.state_dict()["accumkernels"]["seed"]
+    assert not torch.equal(drawn[0], other[0]), "runs seeded differently draw different noise"

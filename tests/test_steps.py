@@ -293,3 +293,99 @@ def test_stochastic_rounding_excludes_master_weights(backend):
     with pytest.raises(ValueError, match="stochastic_rounding"):
         ak.adamw_step_and_zero_(p, [torch.randn(4)], [torch.zeros(4)], [torch.zeros(4)], [torch.tensor(0.0)],
                                 stochastic_rounding=True, master_params=[p[0].float()], backend=backend)  # fmt: skip
+
+
+# ---- inf and NaN: torch's meaning in every backend --------------------------
+
+NONFINITE_CASES = [
+    ("sgd", dict(lr=0.1, momentum=0.9, weight_decay=1e-2)),
+    ("sgd", dict(lr=0.1, momentum=0.9, nesterov=True)),
+    ("adam", dict(lr=1e-2, weight_decay=0.1, amsgrad=True)),
+    ("adam", dict(lr=1e-2, betas=(0.3, 0.999))),  # beta1 <= 0.5: torch.lerp's other form
+    ("adamw", dict(lr=1e-2, amsgrad=True)),
+    ("adamw", dict(lr=1e-2, weight_decay=0.3, betas=(0.5, 0.99), amsgrad=True)),
+]
+
+
+def _same_nonfinite(ours: torch.Tensor, theirs: torch.Tensor, what: str) -> None:
+    """NaN where torch has NaN, the same infinities, finite values close."""
+    assert torch.equal(ours.isnan(), theirs.isnan()), f"{what}: NaN in other places than torch"
+    inf = theirs.isinf()
+    assert torch.equal(ours.isinf(), inf) and torch.equal(ours[inf], theirs[inf]), f"{what}: other infinities"
+    finite = theirs.isfinite()
+    torch.testing.assert_close(ours[finite], theirs[finite], rtol=2e-6, atol=2e-6, msg=what)
+
+
+@pytest.mark.parametrize("kind,hyper", NONFINITE_CASES,
+                         ids=[f"{k}-{'-'.join(f'{a}{b}' for a, b in h.items() if a != 'lr')}" for k, h in NONFINITE_CASES])  # fmt: skip
+def test_nonfinite_gradients_as_torch(backend, kind, hyper):
+    """inf, -inf and NaN gradient elements over two steps (the second step sees
+    state the first made non-finite): params and every state tensor hold what
+    torch's own for-loop optimizer holds."""
+    n = 64
+    theirs = torch.randn(n)
+    ours = [theirs.clone()]
+    opt = _torch_optimizer(kind, [torch.nn.Parameter(theirs)], **hyper)
+    param = opt.param_groups[0]["params"][0]
+    state = {"momentum_buffer": [torch.zeros(n)], "exp_avg": [torch.zeros(n)], "exp_avg_sq": [torch.zeros(n)],
+             "max_exp_avg_sq": [torch.zeros(n)], "step": [torch.tensor(0.0)]}  # fmt: skip
+    bad = [(3, float("inf")), (4, float("-inf")), (5, float("nan"))]
+    for step_index in range(2):
+        grad = torch.randn(n)
+        for i, value in bad:
+            grad[i + 10 * step_index] = value  # step 2 poisons other elements, and meets step 1's state
+        param.grad = grad.clone()
+        opt.step()
+        _ours(kind, ours, [grad.clone()], state, step_index, hyper, backend)
+        _same_nonfinite(ours[0], param.detach(), f"params after step {step_index + 1}")
+        for key, value in opt.state[param].items():
+            if torch.is_tensor(value) and value.numel() > 1:
+                _same_nonfinite(state[key][0], value, f"{key} after step {step_index + 1}")
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])
+def test_nonfinite_accumulate_and_norm_as_torch(backend, value):
+    grad = torch.randn(100).bfloat16()
+    grad[7] = value
+    buffer = torch.randn(100)
+    expected = buffer + 0.5 * grad.float()
+    ak.accumulate_([buffer], [grad], 0.5, backend=backend)
+    _same_nonfinite(buffer, expected, "accumulate_")
+    norm = ak.grad_norm([buffer, torch.randn(10)], backend=backend)
+    assert (norm.isnan() if value != value else norm.isinf()).item(), norm
+
+
+def test_stochastic_rounding_follows_memory_order(backend):
+    """A channels_last bf16 param: every backend hashes each element's index in
+    memory order, so the reference (which indexes logically) must agree."""
+    start = torch.randn(3, 5, 4, 6).bfloat16().contiguous(memory_format=torch.channels_last)
+    update = (torch.randn(3, 5, 4, 6) * 1e-2).contiguous(memory_format=torch.channels_last)
+    ours, ref = start.clone(memory_format=torch.preserve_format), start.clone(memory_format=torch.preserve_format)
+    for out, b in ((ours, backend), (ref, "reference")):
+        ak.sgd_step_and_zero_([out], [update.clone(memory_format=torch.preserve_format)], lr=1.0,
+                              stochastic_rounding=True, seed=77, positions=[5], backend=b)  # fmt: skip
+    assert ours.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(ours, ref)
+    # The same values laid out contiguously get the same bits per memory position, not per logical index.
+    flat = start.permute(0, 2, 3, 1).contiguous()
+    flat_update = update.permute(0, 2, 3, 1).contiguous()
+    ak.sgd_step_and_zero_([flat], [flat_update], lr=1.0, stochastic_rounding=True, seed=77, positions=[5],
+                          backend=backend)  # fmt: skip
+    assert torch.equal(flat, ours.permute(0, 2, 3, 1))
+
+
+def test_stochastic_rounding_streams_follow_positions(backend):
+    """Identical params with identical updates draw the same bits only with
+    the same stream id: positions, not the place in the call, decide."""
+    start = torch.full((4096,), 1.0).bfloat16()
+    update = torch.full((4096,), 1e-3)
+
+    def rounded(position, first=False):
+        params = [start.clone(), start.clone()] if first else [start.clone()]
+        positions = [position, position + 1] if first else [position]
+        ak.sgd_step_and_zero_(params, [update.clone() for _ in params], lr=1.0, stochastic_rounding=True, seed=3,
+                              positions=positions, backend=backend)  # fmt: skip
+        return params[0]
+
+    assert torch.equal(rounded(11), rounded(11, first=True)), "the same stream id, the same bits, whatever the call"
+    assert not torch.equal(rounded(11), rounded(12)), "another stream id, other bits"
