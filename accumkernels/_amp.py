@@ -41,20 +41,44 @@ def was_unscaled(scaler, optimizer) -> bool:
     return scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED
 
 
+def _step_codes() -> set:
+    """The code of the GradScaler methods (of torch's class and its subclasses)
+    that call ``optimizer.step()``."""
+    codes, classes = set(), [torch.amp.GradScaler]
+    while classes:
+        cls = classes.pop()
+        classes += cls.__subclasses__()
+        for name in ("step", "_maybe_opt_step"):
+            method = cls.__dict__.get(name)
+            if method is not None:
+                codes.add(method.__code__)
+    return codes
+
+
 def scaler_driving(optimizer):
     """The GradScaler whose ``step(optimizer)`` is calling ``optimizer.step()``
-    right now, or None. GradScaler sets ``optimizer.grad_scale`` (and
-    ``found_inf``) only for that call and passes no reference to itself; its
-    frame is the caller's."""
-    if not hasattr(optimizer, "found_inf"):
-        return None
+    right now, or None. GradScaler passes no reference to itself (it sets
+    ``optimizer.grad_scale``/``found_inf`` for the call when the optimizer
+    handles scaling, and nothing otherwise): it is found on the call stack, a
+    few frames up, by the code of its methods. (Only that frame's locals are
+    read: reading a frame's f_locals pins its variables to it.)"""
+    codes = _step_codes()
     frame = sys._getframe(1)
-    while frame is not None:
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, torch.amp.GradScaler) and frame.f_code.co_name == "step":
-            return candidate
+    for _ in range(8):
+        if frame is None:
+            return None
+        if frame.f_code in codes:
+            candidate = frame.f_locals.get("self")
+            return candidate if isinstance(candidate, torch.amp.GradScaler) else None
         frame = frame.f_back
     return None
+
+
+def unscale_and_check(views: list[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+    """views *= inv_scale in place, and found_inf = 1 if any element is inf or
+    NaN (GradScaler's own fused kernel; no host sync)."""
+    if views:
+        torch._amp_foreach_non_finite_check_and_unscale_(views, found_inf.reshape(()), inv_scale.reshape(()))
 
 
 class LossScale:

@@ -55,7 +55,7 @@ class Intake:
     name = ""
     zero_buffers_at_step = False
 
-    def __init__(self, layout: Layout, window: Window, *, backend: str | None, check_inf: bool,
+    def __init__(self, layout: Layout, window: Window, *, backend: str | None, skip_nonfinite: bool,
                  loss_scale, accum_steps: int | None, bucket_done=None) -> None:  # fmt: skip
         # loss_scale(): the factor that unscales this micro-step's gradients (1.0 or a tensor);
         # bucket_done(bucket): called when this rank's window sum of a bucket is final
@@ -64,7 +64,7 @@ class Intake:
         self.layout = layout
         self.window = window
         self.backend = backend
-        self.check_inf = check_inf
+        self.skip_nonfinite = skip_nonfinite
         self.loss_scale = loss_scale
         self.bucket_done = bucket_done
         self.accum_steps = accum_steps
@@ -87,18 +87,25 @@ class Intake:
             _OWNERS[r.param] = weakref.ref(self)
 
     def _hook_trainable(self) -> list[ParamRecord]:
-        """Hook every param that requires grad and has no hook yet; returns them."""
-        new = [r for r in self.layout if r.param.requires_grad and r.index not in self._handles]
+        """Hook every param that requires grad and has no hook yet; returns them.
+        The others are remembered, to be looked at again at every step()."""
+        candidates = getattr(self, "_unhooked", self.layout.records)
+        new = [r for r in candidates if r.param.requires_grad]
         for r in new:
             self._handles[r.index] = r.param.register_post_accumulate_grad_hook(
                 functools.partial(self._hook, r.index)
             )
+        self._unhooked = [r for r in candidates if r.index not in self._handles]
         return new
 
     def refresh(self) -> None:
         """At every step(): params unfrozen since the last call get their hook
-        now, and a gradient they already received is taken in."""
-        if self.layout.refresh_expected():
+        now, and a gradient they already received is taken in. (Only the
+        params without a hook are looked at: a param frozen later keeps its
+        hook, which never fires, and its bucket is folded at step() instead of
+        during backward.)"""
+        if self._unhooked and any(r.param.requires_grad for r in self._unhooked):
+            self.layout.refresh_expected()
             for r in self._hook_trainable():
                 if r.param.grad is not None:
                     self._take_late(r)
@@ -109,6 +116,12 @@ class Intake:
         for r in self.layout:
             if _OWNERS.get(r.param) is not None and _OWNERS[r.param]() is self:
                 del _OWNERS[r.param]
+
+    @property
+    def check_inf(self) -> bool:
+        """Check gradients for inf/NaN as they are folded: with a GradScaler
+        (given, or adopted later) or skip_nonfinite."""
+        return self.skip_nonfinite or self.loss_scale.scaler is not None
 
     def last_micro_step(self) -> bool:
         """The gradients arriving now belong to the window's last micro-step."""
@@ -199,6 +212,7 @@ class GradIntake(Intake):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self._reduction_queued = False
         self._grad_dtypes = {}
         for r in self.layout:
             if r.param.dtype != torch.float32:
@@ -215,9 +229,26 @@ class GradIntake(Intake):
             if r.param.requires_grad:
                 r.param.grad = r.buffer
 
+    def _window_ends_with_this_backward(self) -> bool:
+        if self.accum_steps is not None:
+            return self.last_micro_step()
+        return bool(self.window.sync_intent)  # a DDP module said so; else the reduction waits for step()
+
     def _on_grad(self, index: int) -> None:
         r = self.layout.records[index]
         grad = r.param.grad
+        reducer = self.bucket_done
+        if reducer is not None and not self._reduction_queued:
+            if reducer.started:
+                raise RuntimeError(
+                    "AccumulatingOptimizer: a gradient arrived after this window's cross-rank reduction (a second "
+                    "backward in the window's last micro-step): sum the losses and call backward once per micro-step"
+                )
+            if self._window_ends_with_this_backward():
+                # .grad must hold the reduced window when backward returns (the
+                # framework clips and logs it next): reduce at the end of this backward.
+                self._reduction_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._reduce)
         if grad is not r.buffer and grad is not None:
             # .grad was dropped (model.zero_grad()) or replaced: autograd made a
             # new one; it starts this param's sum over, as it would in plain PyTorch.
@@ -226,6 +257,10 @@ class GradIntake(Intake):
             r.param.grad = r.buffer
         self.window.touched.add(index)
         self.window.grads_since_step = True
+
+    def _reduce(self) -> None:
+        self._reduction_queued = False
+        self.bucket_done.reduce_now()
 
     def _take_late(self, r: ParamRecord) -> None:
         self._on_grad(r.index)

@@ -31,6 +31,9 @@ class Window:
         self.windows = 0  # windows ended so far
         self.stepped = False  # the last step() call ended a window
         self.last_grad_norm: torch.Tensor | None = None
+        # Set at every forward of a DDP module the wrapper took over: whether the
+        # framework meant this micro-step to sync (the window's last); None: no DDP.
+        self.sync_intent: bool | None = None
         self.found_inf = torch.zeros(1, device=device)  # any inf/NaN in the window so far
         self.step_found_inf = torch.zeros(1, device=device)  # ... in the current micro-step
         self.clear()

@@ -146,6 +146,11 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             raise ValueError("process_group was given but torch.distributed is not initialized")
         if not initialized and (sharded or wire_dtype != torch.float32):
             raise ValueError("sharded=True and wire_dtype need torch.distributed: initialize it or pass process_group")
+        if sharded and intake == "grad":
+            raise ValueError(
+                "sharded=True needs intake='hooks': after a reduce-scatter each rank holds only its shard of the "
+                "window's gradient, so .grad could not show it whole"
+            )
         params, groups = self._collect_params(optimizer)
         devices = {p.device for p in params}
         if len(devices) > 1:
@@ -163,7 +168,6 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self.accum_steps = accum_steps
         self.normalize = normalize
         self.max_grad_norm = max_grad_norm
-        self.grad_scaler = grad_scaler
         self.backend = backend
         self.stochastic_rounding = stochastic_rounding
         self.intake = intake
@@ -175,12 +179,11 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self.rank = dist.get_rank(process_group) if initialized else 0
         self.sharded = sharded and self.world_size > 1
         self._signature = self._param_signature()
-        self._check_inf = grad_scaler is not None or skip_nonfinite
-        if initialized:
-            self._refuse_ddp(params)
+        self._skip_nonfinite = skip_nonfinite
         self._layout = Layout(params, groups, self.device, bucket_cap_mb, self.world_size if self.sharded else 1)
         self._window = Window(normalize, self.device, self._run_seed(seed))
         self._loss_scale = _amp.LossScale(grad_scaler, self.device)
+        self._ddp_watch = _distributed.DDPWatch(params, self._window) if initialized else None
         self._reducer = None
         if self.world_size > 1:
             self._reducer = _distributed.BucketReducer(process_group, self._layout, self._window, self.sharded,
@@ -191,9 +194,15 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                                 stochastic_rounding=stochastic_rounding, backend=backend)  # fmt: skip
         self._updater.make_masters()
         self._intake = make_intake(
-            intake, self._layout, self._window, backend=backend, check_inf=self._check_inf, loss_scale=self._loss_scale,
+            intake, self._layout, self._window, backend=backend, skip_nonfinite=skip_nonfinite, loss_scale=self._loss_scale,
             accum_steps=accum_steps, bucket_done=self._reducer,
         )  # fmt: skip
+
+    @property
+    def _check_inf(self) -> bool:
+        """Whether inf/NaN gradients skip the window: with a GradScaler (given or
+        adopted) or skip_nonfinite."""
+        return self._skip_nonfinite or self._loss_scale.scaler is not None
 
     # ---- torch.optim.Optimizer interface -----------------------------------
 
@@ -259,22 +268,30 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             )
         window = self._window
         window.count_items(num_items)
+        ends_window = self.accum_steps is None or window.micro_steps + 1 >= self.accum_steps
+        self._meet_the_scaler(ends_window)
         self._intake.refresh()
         self._intake.flush()
         step_found_inf = window.end_micro_step(self._check_inf)
         self._loss_scale.next_micro_step()
-        if self.intake == "hooks" and _amp.is_enabled(self.grad_scaler):
+        scaler = self._loss_scale.scaler
+        if self.intake == "hooks" and _amp.is_enabled(scaler):
             # Its update() after this call backs off on what it is told. Distributed:
             # every rank's scaler sees the window's global flag at its end and none before.
             local = self._reducer is None
-            _amp.report_found_inf(self.grad_scaler, self, self.device,
-                                  step_found_inf if local else torch.zeros(1, device=self.device))  # fmt: skip
+            _amp.report_found_inf(scaler, self, self.device, step_found_inf if local else torch.zeros(1, device=self.device))
         window.stepped = self.accum_steps is None or window.micro_steps >= self.accum_steps
         if window.stepped:
             self._end_window()
         return loss
 
     # ---- public helpers ----------------------------------------------------
+
+    @property
+    def grad_scaler(self) -> torch.amp.GradScaler | None:
+        """The GradScaler the wrapper unscales for: the one given, or the one
+        found calling step() (see _meet_the_scaler)."""
+        return self._loss_scale.scaler
 
     @property
     def micro_steps(self) -> int:
@@ -403,14 +420,41 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 seed = int(shared.item())
         return seed
 
-    def _refuse_ddp(self, params) -> None:
-        if _distributed.ddp_modules_holding(params):
+    def _meet_the_scaler(self, ends_window: bool) -> None:
+        """A GradScaler calling step() through its standard protocol, given to
+        the wrapper or not (frameworks make their own):
+
+        - intake "hooks": the scaler calls step() directly (this wrapper handles
+          scaling). One it was not given is adopted at its first call: the window's
+          sum so far is unscaled and checked in place, later micro-batches as they
+          are folded. ``scaler.unscale_(opt)`` before is refused: there is no
+          ``.grad`` for it (clip with max_grad_norm= or clip_grad_norm_()).
+        - intake "grad": the scaler unscales ``.grad`` (the buffers) and skips
+          step() on inf itself, so it must do so once per window."""
+        driver = _amp.scaler_driving(self)
+        if driver is None or not driver.is_enabled():
+            return
+        given = self._loss_scale.scaler
+        if given is not None and given is not driver:
+            raise RuntimeError("step() is called by another GradScaler than the one given as grad_scaler=")
+        if self.intake == "grad":
+            if not ends_window:
+                raise RuntimeError(
+                    "with intake='grad' a GradScaler unscales .grad, which holds the window's running sum: call "
+                    "scaler.step(opt) and scaler.update() once per window (accum_steps=None), or use intake='hooks'"
+                )
+            return
+        if _amp.was_unscaled(driver, self):
             raise RuntimeError(
-                "AccumulatingOptimizer reduces the gradients across ranks itself, once per window; a "
-                "DistributedDataParallel module holds these params and its reducer would all-reduce every "
-                "micro-batch's .grad (and owns .grad). Pass the plain module (model.module) to the model call and "
-                "let the wrapper do the reduction"
+                "scaler.unscale_(opt) found no .grad: with intake='hooks' gradients are folded into the wrapper's "
+                "fp32 buffers during backward. Clip with max_grad_norm= or opt.clip_grad_norm_(), or use intake='grad'"
             )
+        if given is None:
+            self._intake.flush()
+            window = self._window
+            views = [self._layout.records[i].buffer for i in sorted(window.touched)]
+            _amp.unscale_and_check(views, _amp.inverse_scale(driver, self.device), window.step_found_inf)
+            self._loss_scale.scaler = driver
 
     def _refuse_during_reduction(self, what: str) -> None:
         if self._reducer is not None and self._reducer.started:
@@ -429,12 +473,17 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
 
     def _end_window(self) -> None:
         window = self._window
+        if self._ddp_watch is not None and window.windows == 0:
+            self._ddp_watch.end_first_window()
+        scaler = self._loss_scale.scaler
+        if self.intake == "grad" and self._check_inf:
+            self._check_grad_window(scaler)
         if self._reducer is not None:
-            if window.windows == 0:
-                self._refuse_ddp([r.param for r in self._layout])  # a DDP module made after the wrapper
+            if self.intake == "grad" and not self._reducer.finished:
+                self._reducer.reduce_now()
             found_inf, items, micro_steps = self._reducer.sync_window(self._check_inf)
-            if self.grad_scaler is not None:
-                _amp.report_found_inf(self.grad_scaler, self, self.device, found_inf)
+            if self.intake == "hooks" and _amp.is_enabled(scaler):
+                _amp.report_found_inf(scaler, self, self.device, found_inf)
             total = {"sum": None, "mean": micro_steps, "items": items}[self.normalize]
             grad_scale = window.divisor if total is None else (window.divisor / total).to(torch.float32)
             found_inf = found_inf if self._check_inf else None
@@ -452,7 +501,20 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._updater.step(records, grad_scale, found_inf, window.window_seed(), self._intake)
         if self.sharded:
             self._reducer.gather_params()
-            if self._intake.zero_buffers_at_step:
-                self._layout.flat.zero_()
+        if self._reducer is not None:
+            self._reducer.reset()
         window.windows += 1
         window.clear()
+
+    def _check_grad_window(self, scaler) -> None:
+        """Intake "grad": the inf/NaN check (and, for a GradScaler that did not
+        unscale this window, the unscaling) of the window's buffers, in one pass."""
+        window = self._window
+        views = [self._layout.records[i].buffer for i in sorted(window.touched)]
+        if _amp.is_enabled(scaler):
+            if _amp.was_unscaled(scaler, self):
+                return  # the scaler unscaled .grad, checked it, and calls step() only when finite
+            _amp.unscale_and_check(views, _amp.inverse_scale(scaler, self.device), window.found_inf)
+            _amp.report_found_inf(scaler, self, self.device, window.found_inf)
+        else:
+            _amp.unscale_and_check(views, torch.ones(1, device=self.device), window.found_inf)

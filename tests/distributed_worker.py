@@ -9,6 +9,7 @@ and takes one big step on the mean (or item-weighted mean) of their losses.
 from __future__ import annotations
 
 import copy
+import contextlib
 import datetime
 import os
 
@@ -38,11 +39,14 @@ class Net(nn.Module):
         self.body = nn.Sequential(nn.Linear(12, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 3))
         self.to(dtype)
 
-    def loss(self, x, y, use_side: bool, reduction: str = "mean"):
+    def forward(self, x, use_side: bool):
         out = self.body(x.to(self.side.weight.dtype))
         if use_side:
             out = out + self.side(x.to(self.side.weight.dtype))
-        return F.mse_loss(out.float(), y, reduction=reduction)
+        return out
+
+    def loss(self, x, y, use_side: bool, reduction: str = "mean"):
+        return F.mse_loss(self(x, use_side).float(), y, reduction=reduction)
 
 
 def micro_batch(seed: int, window: int, rank: int, micro: int, varying: bool):
@@ -192,14 +196,86 @@ def resume(cfg, rank, world):
     return {"straight": straight, "resumed": params_of(model), "micro_steps_saved": saved[1]["accumkernels"]["micro_steps"]}
 
 
-def ddp_refused(cfg, rank, world):
+def _counting_comm_hook(calls: list):
+    def hook(state, bucket):
+        calls[0] += 1
+        future = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    return hook
+
+
+def ddp_taken_over(cfg, rank, world):
+    """A DistributedDataParallel model in the wrapper's own loop, wrapped in
+    DDP before the optimizer or after it (as Accelerate does): the wrapper
+    takes DDP's communication over (a comm hook counts what DDP's reducer would
+    send: nothing), and the run equals the parity reference."""
+    out = {}
+    for order in ("ddp-first", "optimizer-first"):
+        model = Net()
+        if order == "ddp-first":
+            ddp = torch.nn.parallel.DistributedDataParallel(model)
+            opt = wrapped(cfg, model)
+        else:
+            opt = wrapped(cfg, model)
+            ddp = torch.nn.parallel.DistributedDataParallel(model)
+        calls = [0]
+        ddp.register_comm_hook(None, _counting_comm_hook(calls))
+        for w in range(WINDOWS):
+            for m in range(N_MICRO):
+                x, y = micro_batch(cfg["seed"], w, rank, m, False)
+                F.mse_loss(ddp(x, rank % 2 == 1).float(), y).backward()
+                opt.step()
+                opt.zero_grad()
+        out[order] = {"params": params_of(model), "ddp_calls": calls[0]}
+    if rank == 0:
+        out["reference"] = reference(cfg, world)
+    return out
+
+
+def framework_loop(cfg, rank, world):
+    """What Accelerate and HF Trainer do on several processes: DDP built after
+    the optimizer, no_sync() on all micro-steps but the window's last, the
+    loss divided by N, torch's clip_grad_norm_ on the model's .grad, then
+    step(): with the wrapper's default intake for accum_steps=None ("grad"),
+    .grad holds the window's gradient averaged over ranks after the last
+    backward, so the clip sees the global norm."""
     model = Net()
+    opt = ak.AccumulatingOptimizer(make_optimizer(cfg["optimizer"], model.parameters()), bucket_cap_mb=BUCKET_MB,
+                                   backend=cfg["backend"])  # fmt: skip
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    try:
-        wrapped(cfg, ddp.module)
-    except RuntimeError as e:
-        return {"error": str(e)}
-    return {"error": None}
+    calls = [0]
+    ddp.register_comm_hook(None, _counting_comm_hook(calls))
+    norms = []
+    for w in range(WINDOWS):
+        for m in range(N_MICRO):
+            x, y = micro_batch(cfg["seed"], w, rank, m, False)
+            with ddp.no_sync() if m < N_MICRO - 1 else contextlib.nullcontext():
+                (F.mse_loss(ddp(x, rank % 2 == 1).float(), y) / N_MICRO).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])))
+        opt.step()
+        opt.zero_grad()
+    out = {"params": params_of(model), "ddp_calls": calls[0], "norms": norms, "intake": opt.intake}
+    if rank == 0:
+        out["reference"] = reference(cfg, world)
+        out["reference_norms"] = reference_norms(cfg, world)
+    return out
+
+
+def reference_norms(cfg, world):
+    """The global gradient norm of each window of the reference run (before its clip)."""
+    model = Net()
+    opt = make_optimizer(cfg["optimizer"], model.parameters())
+    norms = []
+    for w in range(WINDOWS):
+        opt.zero_grad()
+        total = sum(model.loss(*micro_batch(cfg["seed"], w, r, m, False), r % 2 == 1)
+                    for r in range(world) for m in range(N_MICRO))  # fmt: skip
+        (total / (world * N_MICRO)).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])))
+        opt.step()
+    return norms
 
 
 def modes_agree(cfg, rank, world):
@@ -265,7 +341,7 @@ def wire(cfg, rank, world):
     return {"flat": flat.clone(), "shards": shards}
 
 
-SCENARIOS = {"wire": wire, "parity": parity, "count": count, "inf_skip": inf_skip, "resume": resume, "ddp_refused": ddp_refused,
+SCENARIOS = {"wire": wire, "parity": parity, "count": count, "inf_skip": inf_skip, "resume": resume, "ddp_taken_over": ddp_taken_over, "framework_loop": framework_loop,
              "misuse": misuse, "modes_agree": modes_agree}
 
 

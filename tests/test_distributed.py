@@ -50,7 +50,8 @@ CASES_2 = {
     "resume-sharded-bf16-master": dict(
         scenario="resume", optimizer="adamw", sharded=True, dtype=torch.bfloat16, master_weights=True
     ),
-    "ddp": dict(scenario="ddp_refused", optimizer="sgd"),
+    "ddp": dict(scenario="ddp_taken_over", optimizer="adamw"),
+    "framework-loop": dict(scenario="framework_loop", optimizer="adamw", clip=0.05),
     "misuse": dict(scenario="misuse", optimizer="sgd"),
     "modes-agree": dict(scenario="modes_agree", optimizer="adamw"),
 }
@@ -178,9 +179,28 @@ def test_resume_mid_window_with_two_ranks(runs, case):
         assert same(result["resumed"], result["straight"])  # bitwise
 
 
-def test_ddp_module_is_refused(runs):
-    for r in runs[2]:
-        assert r["ddp"]["error"] is not None and "DistributedDataParallel" in r["ddp"]["error"]
+def test_ddp_is_taken_over(runs):
+    """DDP made before or after the wrapper: DDP's reducer sends nothing, the
+    wrapper reduces once per window, the result is the one-process big batch."""
+    results = [r["ddp"] for r in runs[2]]
+    for order in ("ddp-first", "optimizer-first"):
+        assert all(r[order]["ddp_calls"] == 0 for r in results), order
+        assert same(results[1][order]["params"], results[0][order]["params"])
+        assert rel_diff(results[0][order]["params"], results[0]["reference"]) <= 1e-5, order
+
+
+def test_framework_loop_over_ddp(runs):
+    """no_sync() micro-steps, the loss divided by N, torch's clip_grad_norm_ on
+    .grad after the last backward: the clipped norm is the global one and the
+    run equals the one-process big batch (clipping active: norms above 0.05)."""
+    results = [r["framework-loop"] for r in runs[2]]
+    assert results[0]["intake"] == "grad"
+    assert all(r["ddp_calls"] == 0 for r in results)
+    assert same(results[1]["params"], results[0]["params"])
+    assert min(results[0]["reference_norms"]) > 0.05
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(results[0]["reference_norms"]), rtol=1e-5, atol=0)
+    assert rel_diff(results[0]["params"], results[0]["reference"]) <= 1e-5
 
 
 def test_sharded_equals_allreduce_bitwise_with_mixed_dtypes(runs):
