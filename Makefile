@@ -13,6 +13,10 @@
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.14.1
+# The frameworks the integration tests train with (tests/test_frameworks.py),
+# and transformers 4.x in a folder of its own beside 5.x.
+FRAMEWORKS   ?= transformers==5.24.0 accelerate==1.15.0 pytorch-lightning==2.6.6 peft==0.21.2
+TRANSFORMERS4 ?= transformers==4.57.6
 PY     := $(VENV)/bin/python
 NATIVE_SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
 
@@ -25,6 +29,9 @@ $(VENV)/.deps:
 	$(PY) -m pip install --quiet "$(TORCH)" ninja pytest numpy matplotlib "setuptools>=77" wheel
 	if $(PY) -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)"; then \
 		$(PY) -m pip install --quiet cuda-bindings; fi
+	@echo "== test frameworks: $(FRAMEWORKS), and $(TRANSFORMERS4) in $(VENV)/transformers4"
+	$(PY) -m pip install --quiet $(FRAMEWORKS)
+	$(PY) -m pip install --quiet --target $(VENV)/transformers4 "$(TRANSFORMERS4)"
 	touch $@
 
 $(VENV)/.built: $(VENV)/.deps $(NATIVE_SOURCES)
@@ -35,7 +42,7 @@ $(VENV)/.built: $(VENV)/.deps $(NATIVE_SOURCES)
 build: $(VENV)/.built
 
 test: build
-	$(PY) -m pytest -ra
+	ACCUMKERNELS_REQUIRE_FRAMEWORKS=1 $(PY) -m pytest -ra
 
 bench: build
 	$(PY) -m bench.run

@@ -24,6 +24,7 @@ import functools
 import weakref
 
 import torch
+import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import ops
@@ -68,6 +69,9 @@ class Intake:
         self.loss_scale = loss_scale
         self.bucket_done = bucket_done
         self.accum_steps = accum_steps
+        # torch.distributed initialized after the wrapper was built: noticed at
+        # the first gradient, before a DDP module's reducer could act on it.
+        self._watch_late_init = not (dist.is_available() and dist.is_initialized())
         self._claim()
         self._handles: dict[int, torch.utils.hooks.RemovableHandle] = {}
         self._hook = functools.partial(_call_weak, weakref.ref(self), "_on_grad")
@@ -117,6 +121,15 @@ class Intake:
             if _OWNERS.get(r.param) is not None and _OWNERS[r.param]() is self:
                 del _OWNERS[r.param]
 
+    def _refuse_late_init(self) -> None:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            raise RuntimeError(
+                "torch.distributed was initialized after this AccumulatingOptimizer was built, so it cannot reduce "
+                "across ranks (nor take a DistributedDataParallel module over): build it after "
+                "init_process_group (with HF Trainer: after TrainingArguments; with Accelerate: after Accelerator())"
+            )
+        self._watch_late_init = dist.is_initialized() is False and self.window.windows == 0
+
     @property
     def check_inf(self) -> bool:
         """Check gradients for inf/NaN as they are folded: with a GradScaler
@@ -143,6 +156,8 @@ class HookIntake(Intake):
         super().__init__(*args, **kwargs)
 
     def _on_grad(self, index: int) -> None:
+        if self._watch_late_init:
+            self._refuse_late_init()
         r = self.layout.records[index]
         grad = r.param.grad
         if grad is None:
@@ -235,6 +250,8 @@ class GradIntake(Intake):
         return bool(self.window.sync_intent)  # a DDP module said so; else the reduction waits for step()
 
     def _on_grad(self, index: int) -> None:
+        if self._watch_late_init:
+            self._refuse_late_init()
         r = self.layout.records[index]
         grad = r.param.grad
         reducer = self.bucket_done
@@ -255,8 +272,18 @@ class GradIntake(Intake):
             self._check_shape(r, grad)
             _copy_into(r.buffer, grad)
             r.param.grad = r.buffer
+        elif not self.layout.aliased(r):
+            self._reattach(r)
         self.window.touched.add(index)
         self.window.grads_since_step = True
+
+    def _reattach(self, r: ParamRecord) -> None:
+        """``r.buffer`` (still ``.grad``) was moved out of the flat buffer: its
+        values go back into a new view, which becomes ``.grad`` again."""
+        detached = r.buffer
+        r.buffer = self.layout.view(r)
+        r.buffer.copy_(detached)
+        self.set_grad(r, r.buffer)
 
     def _reduce(self) -> None:
         self._reduction_queued = False
@@ -269,6 +296,9 @@ class GradIntake(Intake):
         """Re-attach every view whose ``.grad`` was dropped or replaced since."""
         for r in self.layout:
             grad = r.param.grad
+            if grad is r.buffer and not self.layout.aliased(r):
+                self._reattach(r)
+                continue
             if grad is r.buffer or (grad is None and not r.param.requires_grad):
                 continue
             if grad is None:

@@ -121,12 +121,22 @@ class Layout:
             b.end = total
         self.flat = torch.zeros(total, dtype=torch.float32, device=device)
         for r in self.records:
-            t = r.local
-            if t.is_contiguous():
-                r.buffer = self.flat[r.offset : r.offset + t.numel()].view(t.shape)
-            else:  # dense in another memory order (e.g. channels_last): the same strides
-                r.buffer = self.flat.as_strided(t.shape, t.stride(), r.offset)
+            r.buffer = self.view(r)
         self.refresh_expected()
+
+    def view(self, r: ParamRecord) -> torch.Tensor:
+        """A new view of ``r``'s slice of the flat buffer, laid out like the param
+        (dense in another memory order, e.g. channels_last: the same strides)."""
+        t = r.local
+        if t.is_contiguous():
+            return self.flat[r.offset : r.offset + t.numel()].view(t.shape)
+        return self.flat.as_strided(t.shape, t.stride(), r.offset)
+
+    def aliased(self, r: ParamRecord) -> bool:
+        """``r.buffer`` still lies in the flat buffer. Code that replaces a
+        tensor's data in place (``module.to('cpu:0')`` on 'cpu' tensors sets
+        ``param.grad.data`` to a copy) can move an exposed view out of it."""
+        return r.buffer.data_ptr() == self.flat.data_ptr() + r.offset * 4
 
     def __iter__(self):
         return iter(self.records)

@@ -325,21 +325,30 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip the window's gradient to ``max_norm`` at the next window step and
-        return its global L2 norm (normalization applied, a 0-dim fp32 tensor on
-        the device, no host sync). Not in distributed runs, where the norm
-        exists only after the window's reduction: use ``max_grad_norm=``."""
+        """Clip the window's gradient to ``max_norm`` and return its global L2
+        norm (normalization applied, a 0-dim fp32 tensor on the device, no host
+        sync), as ``torch.nn.utils.clip_grad_norm_`` does on plain ``.grad``:
+        with intake "grad" ``.grad`` is clipped now; with "hooks" the
+        coefficient is applied by the next window step. In distributed runs
+        only where ``.grad`` holds the reduced window (intake "grad", after the
+        window's last backward); else use ``max_grad_norm=``."""
         if not max_norm > 0:
             raise ValueError(f"max_norm must be > 0; got {max_norm!r}")
-        if self._reducer is not None:
+        if self._reducer is not None and not (self.intake == "grad" and self._reducer.finished):
             raise RuntimeError(
-                "clip_grad_norm_() is not available in distributed runs: the global norm exists only after the "
-                "window's cross-rank reduction inside step(); pass max_grad_norm= to the wrapper instead"
+                "clip_grad_norm_() needs the window's global gradient, which exists only after its cross-rank "
+                "reduction: pass max_grad_norm= to the wrapper instead"
             )
         self._intake.flush()
         window = self._window
-        norm = self._norm(window.normalization(pending=True))
-        window.clip_coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        # Reduced: params another rank touched hold gradient too (the others hold zeros).
+        records = list(self._layout) if self._reducer is not None else None
+        norm = self._norm(window.normalization(pending=True), records)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        if self.intake == "grad":
+            torch._foreach_mul_([r.buffer for r in records or self._touched_records()], coef)
+        else:
+            window.clip_coef = coef
         return norm
 
     def close(self) -> None:
@@ -451,9 +460,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             )
         if given is None:
             self._intake.flush()
-            window = self._window
-            views = [self._layout.records[i].buffer for i in sorted(window.touched)]
-            _amp.unscale_and_check(views, _amp.inverse_scale(driver, self.device), window.step_found_inf)
+            views = [r.buffer for r in self._touched_records()]
+            _amp.unscale_and_check(views, _amp.inverse_scale(driver, self.device), self._window.step_found_inf)
             self._loss_scale.scaler = driver
 
     def _refuse_during_reduction(self, what: str) -> None:
@@ -463,10 +471,13 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 "ranks in place; call it before that backward or after step()"
             )
 
-    def _norm(self, scale) -> torch.Tensor:
-        """Global L2 norm of the window's gradient times ``|scale|``."""
-        records = [self._layout.records[i] for i in sorted(self._window.touched)]
-        squared = self._updater.local_squared_norm(records)
+    def _touched_records(self):
+        return [self._layout.records[i] for i in sorted(self._window.touched)]
+
+    def _norm(self, scale, records=None) -> torch.Tensor:
+        """Global L2 norm of the window's gradient (in ``records``, default the
+        touched ones) times ``|scale|``."""
+        squared = self._updater.local_squared_norm(records if records is not None else self._touched_records())
         if self.sharded:
             squared = self._reducer.global_squared_norm(squared)
         return (squared.sqrt() * (scale.abs() if isinstance(scale, torch.Tensor) else abs(scale))).reshape(())
@@ -497,8 +508,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             grad_scale = window.clip_coef * grad_scale
         if isinstance(grad_scale, torch.Tensor):
             grad_scale = grad_scale.reshape(1).to(torch.float32)
-        records = [self._layout.records[i] for i in sorted(window.touched)]
-        self._updater.step(records, grad_scale, found_inf, window.window_seed(), self._intake)
+        self._updater.step(self._touched_records(), grad_scale, found_inf, window.window_seed(), self._intake)
         if self.sharded:
             self._reducer.gather_params()
         if self._reducer is not None:
@@ -510,7 +520,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         """Intake "grad": the inf/NaN check (and, for a GradScaler that did not
         unscale this window, the unscaling) of the window's buffers, in one pass."""
         window = self._window
-        views = [self._layout.records[i].buffer for i in sorted(window.touched)]
+        views = [r.buffer for r in self._touched_records()]
         if _amp.is_enabled(scaler):
             if _amp.was_unscaled(scaler, self):
                 return  # the scaler unscaled .grad, checked it, and calls step() only when finite

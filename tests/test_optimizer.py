@@ -608,3 +608,21 @@ def test_stochastic_rounding_streams_are_per_param_and_per_run(backend):
     other, opt_b = run()
     assert opt_a.state_dict()["accumkernels"]["seed"] != opt_b.state_dict()["accumkernels"]["seed"]
     assert not torch.equal(drawn[0], other[0]), "runs seeded differently draw different noise"
+
+
+def test_grad_views_survive_module_to(backend):
+    """module.to() with another spelling of the device ('cpu:0' for 'cpu', as
+    Accelerate's prepare does) replaces .grad's data with a copy: the grad
+    intake notices and puts its views back, and training is unchanged."""
+    windows = [data() for _ in range(2)]
+    plain, ours = mlp(), mlp()
+    big_batch_run(plain, torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9), windows)
+    opt = ak.AccumulatingOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9), backend=backend)
+    ours.to(torch.device(torch.get_default_device().type, 0))
+    for x, y in windows:
+        for xb, yb in zip(x.chunk(4), y.chunk(4)):
+            (F.mse_loss(ours(xb), yb) / 4).backward()
+        opt.step()
+        opt.zero_grad()
+    assert rel_diff(ours, plain) <= 1e-5
+    assert all(opt._layout.aliased(r) and r.param.grad is r.buffer for r in opt._layout)

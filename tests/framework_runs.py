@@ -1,0 +1,267 @@
+"""Training runs through the real frameworks, plain optimizer against
+AccumulatingOptimizer, for tests/test_frameworks.py. Each run is a process of
+its own (frameworks keep process-wide state: Accelerate's AcceleratorState,
+the transformers version on sys.path, torch.distributed): ``python
+tests/framework_runs.py <name> [json options]`` prints one JSON line.
+
+Every model is tiny, built from a config with random weights (no downloads);
+clipping is on and active (the plain runs' norms exceed the clip), the LR
+scheduler is built on the optimizer the framework receives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import sys
+import warnings
+
+import torch
+from torch.nn import functional as F
+
+warnings.filterwarnings("ignore")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import accumkernels as ak  # noqa: E402
+
+CLIP = 0.05
+
+
+def params_of(model) -> list[list[float]]:
+    return [p.detach().double().flatten().tolist() for p in model.parameters() if p.requires_grad]
+
+
+def make_optimizer(params, wrap: bool, **wrapper_options):
+    inner = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+    return ak.AccumulatingOptimizer(inner, **wrapper_options) if wrap else inner
+
+
+def mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.LayerNorm(32), torch.nn.GELU(), torch.nn.Linear(32, 3))
+
+
+def regression_data(n=64):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 12, generator=g) * 5, torch.randn(n, 3, generator=g)
+
+
+# ---- Hugging Face -----------------------------------------------------------------
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+class TokenData(torch.utils.data.Dataset):
+    """Sequences of random tokens with padding at the end of some (label -100),
+    so micro-batches hold different numbers of target tokens."""
+
+    def __init__(self, n=32, length=16):
+        g = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(0, 64, (n, length), generator=g)
+        self.lengths = torch.randint(length // 2, length + 1, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        labels = self.ids[i].clone()
+        labels[self.lengths[i] :] = -100
+        return {"input_ids": self.ids[i], "labels": labels}
+
+
+def hf_trainer(wrap: bool, max_grad_norm: float, peft: bool = False) -> dict:
+    from transformers import Trainer, TrainingArguments
+
+    # TrainingArguments first: under torchrun it initializes torch.distributed,
+    # which the wrapper must see when it is built.
+    args = TrainingArguments(output_dir=os.environ.get("TMPDIR", "/tmp") + "/ak-hf", per_device_train_batch_size=2,
+                             gradient_accumulation_steps=4, max_steps=3, max_grad_norm=max_grad_norm, logging_steps=1,
+                             report_to="none", use_cpu=True, save_strategy="no", seed=0, dataloader_drop_last=True,
+                             ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None)  # fmt: skip
+    model = tiny_llama()
+    if peft:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(5)
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], wrap)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    trainer = Trainer(model=model, args=args, train_dataset=TokenData(), optimizers=(opt, scheduler))
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return {"params": params_of(model), "grad_norms": [h.get("grad_norm") for h in logs],
+            "lrs": [h.get("learning_rate") for h in logs], "intake": getattr(opt, "intake", None)}  # fmt: skip
+
+
+# ---- Accelerate ------------------------------------------------------------------
+
+
+def accelerate_loop(wrap: bool, mixed_precision: str = "no") -> dict:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(gradient_accumulation_steps=4, cpu=True, mixed_precision=mixed_precision)
+    model = mlp()
+    opt = make_optimizer(model.parameters(), wrap)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    x, y = regression_data()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    model, opt, loader, scheduler = accelerator.prepare(model, opt, loader, scheduler)
+    norms = []
+    for xb, yb in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(F.mse_loss(model(xb).float(), yb))
+            if accelerator.sync_gradients:
+                norms.append(float(accelerator.clip_grad_norm_(model.parameters(), CLIP)))
+            opt.step()
+            scheduler.step()
+            opt.zero_grad()
+    return {"params": params_of(accelerator.unwrap_model(model)), "grad_norms": norms,
+            "lrs": scheduler.get_last_lr(), "world": accelerator.num_processes}  # fmt: skip
+
+
+def accelerate_skipped_window(wrap: bool) -> dict:
+    """What Accelerate does with a GradScaler (fp16 on a GPU), on the CPU: its
+    optimizer wrapper notices a skipped step by whether the inner step() ran,
+    and the LR scheduler is not stepped then."""
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    Accelerator(cpu=True)  # the process state AcceleratedOptimizer reads
+    model = mlp()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    opt = AcceleratedOptimizer(make_optimizer(model.parameters(), wrap), device_placement=False, scaler=scaler)
+    skipped = []
+    x, y = regression_data(32)
+    for window, (xw, yw) in enumerate(zip(x.chunk(2), y.chunk(2))):
+        for m, (xb, yb) in enumerate(zip(xw.chunk(4), yw.chunk(4))):
+            loss = F.mse_loss(model(xb), yb) / 4
+            if window == 0 and m == 2:
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+        opt.step()
+        opt.zero_grad()
+        skipped.append(opt.step_was_skipped)
+    return {"params": params_of(model), "skipped": skipped, "scale": scaler.get_scale()}
+
+
+# ---- Lightning -------------------------------------------------------------------
+
+
+def lightning(wrap: bool, precision: str, manual: bool = False) -> dict:
+    import pytorch_lightning as pl
+    from pytorch_lightning.utilities import grad_norm
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+            self.automatic_optimization = not manual
+            self.norms, self.logged = [], []
+
+        def training_step(self, batch, i):
+            x, y = batch
+            loss = F.mse_loss(self.net(x).float(), y)
+            if manual:  # the user's own accumulation and clipping through Lightning's optimizer proxy
+                opt = self.optimizers()
+                self.manual_backward(loss / 4)
+                if (i + 1) % 4 == 0:
+                    if wrap:
+                        self.norms.append(float(opt.clip_grad_norm_(CLIP)))
+                    else:
+                        self.norms.append(float(torch.nn.utils.clip_grad_norm_(self.parameters(), CLIP)))
+                    opt.step()
+                    opt.zero_grad()
+            return loss
+
+        def on_before_optimizer_step(self, optimizer):
+            self.logged.append(float(grad_norm(self, norm_type=2)["grad_2.0_norm_total"]))
+
+        def configure_optimizers(self):
+            return make_optimizer(self.parameters(), wrap)
+
+    module = Module()
+    x, y = regression_data()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    options = {} if manual else dict(accumulate_grad_batches=4, gradient_clip_val=CLIP)
+    if precision == "16-mixed":
+        # On the CPU Lightning turns precision="16-mixed" into bf16; the plugin
+        # itself gives fp16 autocast with its own GradScaler, as on a GPU.
+        from pytorch_lightning.plugins import MixedPrecision
+
+        options["plugins"] = [MixedPrecision("16-mixed", "cpu")]
+    else:
+        options["precision"] = precision
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, enable_progress_bar=False, logger=False,
+                         enable_checkpointing=False, enable_model_summary=False, **options)  # fmt: skip
+    trainer.fit(module, loader)
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    return {"params": params_of(module.net), "norms": module.norms, "logged_norms": module.logged,
+            "scaler": type(scaler).__name__ if scaler is not None else None}  # fmt: skip
+
+
+# ---- a GradScaler the wrapper was not given, in the user's own loop ------------------
+
+
+def own_loop_scaler(wrap: bool, loop: str) -> dict:
+    """``scaler.step(opt); scaler.update()``, with one poisoned micro-batch in
+    window 0: once per window ("docs-loop", accum_steps=None, as the PyTorch docs
+    write accumulation) or after every micro-batch with the wrapper counting the
+    window ("wrapper-counts", accum_steps=4; the plain run counts by hand)."""
+    model = mlp()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=1000)
+    opt = make_optimizer(model.parameters(), wrap, **({"accum_steps": 4} if loop == "wrapper-counts" else {}))
+    x, y = regression_data(48)
+    scales = []
+    for window, (xw, yw) in enumerate(zip(x.chunk(3), y.chunk(3))):
+        for m, (xb, yb) in enumerate(zip(xw.chunk(4), yw.chunk(4))):
+            loss = F.mse_loss(model(xb), yb)
+            if window == 0 and m == 1:
+                loss = loss * float("inf")
+            per_micro = loop == "wrapper-counts" and wrap
+            scaler.scale(loss if per_micro else loss / 4).backward()
+            if per_micro or m == 3:
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+        scales.append(scaler.get_scale())
+    return {"params": params_of(model), "scales": scales}
+
+
+RUNS = {"hf_trainer": hf_trainer, "accelerate_loop": accelerate_loop,
+        "accelerate_skipped_window": accelerate_skipped_window, "lightning": lightning,
+        "own_loop_scaler": own_loop_scaler}  # fmt: skip
+
+
+def main() -> None:
+    name, options = sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+    result = {}
+    for wrap in (False, True):
+        result["ours" if wrap else "plain"] = RUNS[name](wrap=wrap, **options)
+    rank = int(os.environ.get("RANK", "0"))
+    out = os.environ.get("AK_RESULT_FILE")
+    if out:
+        with open(f"{out}.rank{rank}", "w") as f:
+            json.dump(result, f)
+    elif rank == 0:
+        print(json.dumps(result))
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+        from accumkernels.testing import exit_skipping_teardown
+
+        exit_skipping_teardown(0)
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        main()

@@ -1,0 +1,158 @@
+"""AccumulatingOptimizer inside the frameworks people train with, against the
+plain AdamW run through the same framework (tests/framework_runs.py): HF
+Trainer (transformers 5.x, and 4.x where installed beside it), PEFT LoRA,
+Accelerate, Lightning ("32", "bf16-mixed", "16-mixed", manual optimization),
+a GradScaler the wrapper was not given, and 2-process runs (DDP on gloo) of
+Accelerate and HF Trainer. Clipping is on and active everywhere.
+
+The framework packages are test dependencies (make test installs them); where
+one is missing its tests skip, unless ACCUMKERNELS_REQUIRE_FRAMEWORKS=1 (set
+by make test), where that is an error.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+TRANSFORMERS4 = ROOT / ".venv" / "transformers4"  # transformers 4.x, installed beside 5.x by make test
+REQUIRED = os.environ.get("ACCUMKERNELS_REQUIRE_FRAMEWORKS", "") == "1"
+
+
+def needs(*modules):
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing and REQUIRED:
+        pytest.fail(f"framework packages missing: {missing} (ACCUMKERNELS_REQUIRE_FRAMEWORKS=1)")
+    return pytest.mark.skipif(bool(missing), reason=f"not installed: {missing}")
+
+
+def run(name: str, *, pythonpath: str | None = None, **options) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [pythonpath, str(ROOT)]))}
+    env.pop("TRITON_INTERPRET", None)
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "framework_runs.py"), name, json.dumps(options)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def launch(name: str, tmp_path, world: int = 2, **options) -> list[dict]:
+    """``torchrun --nproc-per-node world`` on the CPU (gloo); every rank's result."""
+    result = tmp_path / "result"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "AK_RESULT_FILE": str(result), "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--standalone",
+               str(ROOT / "tests" / "framework_runs.py"), name, json.dumps(options)]  # fmt: skip
+    out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return [json.loads(Path(f"{result}.rank{r}").read_text()) for r in range(world)]
+
+
+def rel_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(
+        (torch.tensor(x) - torch.tensor(y)).abs().max().item() / max(torch.tensor(y).abs().max().item(), 1e-12)
+        for x, y in zip(a, b)
+    )
+
+
+def assert_same_training(result: dict, norms: str = "grad_norms") -> None:
+    plain, ours = result["plain"], result["ours"]
+    assert rel_diff(ours["params"], plain["params"]) <= 1e-5
+    assert plain[norms] and all(n is not None and n > 0.05 for n in plain[norms]), "clipping must be active"
+    torch.testing.assert_close(torch.tensor(ours[norms]), torch.tensor(plain[norms]), rtol=1e-5, atol=0)
+
+
+@needs("transformers", "accelerate")
+@pytest.mark.parametrize("max_grad_norm", [0.05, 0.0], ids=["clip", "no-clip"])
+def test_hf_trainer(max_grad_norm):
+    """Trainer clips .grad and logs its norm: both act on the window's gradient."""
+    result = run("hf_trainer", max_grad_norm=max_grad_norm)
+    assert result["ours"]["intake"] == "grad"
+    plain, ours = result["plain"], result["ours"]
+    assert rel_diff(ours["params"], plain["params"]) <= 1e-5
+    assert ours["lrs"] == plain["lrs"]
+    if max_grad_norm:
+        assert_same_training(result)
+    else:
+        assert ours["grad_norms"] == plain["grad_norms"]  # what plain logs without clipping, ours logs too
+
+
+@needs("accelerate")
+@pytest.mark.skipif(not (TRANSFORMERS4 / "transformers").exists() and not REQUIRED,
+                    reason=f"transformers 4.x is not installed in {TRANSFORMERS4}")  # fmt: skip
+def test_hf_trainer_transformers_4():
+    result = run("hf_trainer", pythonpath=str(TRANSFORMERS4), max_grad_norm=0.05)
+    assert_same_training(result)
+
+
+@needs("transformers", "accelerate", "peft")
+def test_peft_lora_under_hf_trainer():
+    """Only the adapters are trainable and given to the optimizer."""
+    assert_same_training(run("hf_trainer", max_grad_norm=0.05, peft=True))
+
+
+@needs("accelerate")
+@pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
+def test_accelerate_clip_grad_norm(mixed_precision):
+    assert_same_training(run("accelerate_loop", mixed_precision=mixed_precision))
+
+
+@needs("accelerate")
+def test_accelerate_sees_a_skipped_window():
+    result = run("accelerate_skipped_window")
+    assert result["ours"]["skipped"] == result["plain"]["skipped"] == [True, False]
+    assert result["ours"]["scale"] == result["plain"]["scale"] == 2.0**9
+    assert rel_diff(result["ours"]["params"], result["plain"]["params"]) <= 1e-5
+
+
+@needs("pytorch_lightning")
+@pytest.mark.parametrize("precision", ["32", "bf16-mixed", "16-mixed"])
+def test_lightning(precision):
+    """Lightning's gradient_clip_val and grad_norm() act on the window's
+    gradient, whatever its precision plugin (16-mixed brings its own GradScaler)."""
+    result = run("lightning", precision=precision)
+    if precision == "16-mixed":
+        assert result["ours"]["scaler"] == "GradScaler"
+    assert_same_training(result, norms="logged_norms")
+
+
+@needs("pytorch_lightning")
+def test_lightning_manual_clip_through_its_optimizer_proxy():
+    """self.optimizers() is Lightning's proxy, which copies the optimizer's
+    attributes: clip_grad_norm_ on it must still clip (and return the norm)."""
+    result = run("lightning", precision="32", manual=True)
+    assert_same_training(result, norms="norms")
+    torch.testing.assert_close(torch.tensor(result["ours"]["logged_norms"]),
+                               torch.tensor(result["plain"]["logged_norms"]), rtol=1e-5, atol=0)  # fmt: skip
+
+
+@pytest.mark.parametrize("loop", ["docs-loop", "wrapper-counts"])
+def test_gradscaler_not_given_to_the_wrapper(loop):
+    result = run("own_loop_scaler", loop=loop)
+    assert result["ours"]["scales"] == result["plain"]["scales"]
+    assert result["plain"]["scales"][0] == 2.0**11, "the poisoned window backs the scale off"
+    assert rel_diff(result["ours"]["params"], result["plain"]["params"]) <= 1e-5
+
+
+@needs("accelerate")
+def test_accelerate_on_two_processes(tmp_path):
+    ranks = launch("accelerate_loop", tmp_path)
+    assert ranks[0]["ours"]["world"] == 2
+    for r in ranks:
+        assert_same_training(r)
+    assert ranks[0]["ours"]["params"] == ranks[1]["ours"]["params"]
+
+
+@needs("transformers", "accelerate")
+def test_hf_trainer_on_two_processes(tmp_path):
+    ranks = launch("hf_trainer", tmp_path, max_grad_norm=0.05)
+    for r in ranks:
+        assert_same_training(r)
+    assert ranks[0]["ours"]["params"] == ranks[1]["ours"]["params"]
