@@ -1,22 +1,34 @@
 """End-to-end benchmark: training windows of a GPT-style model, the plain
-``.grad`` path against AccumulatingOptimizer, and the time-for-memory trade.
+``.grad`` paths against AccumulatingOptimizer (both intakes), the precision of
+each path's window gradient, and the time-for-memory trade.
 
-Each measurement runs in a fresh subprocess (``python -m bench.e2e --one
-'<json config>'``) so that its peak memory is its own: on CUDA the allocator's
-``max_memory_allocated``, on the CPU the growth of the process's peak resident
-set (``VmHWM``, reset when the model and data are built) over its size then.
+Paths (AdamW, lr 1e-3, one optimizer step per window of N micro-batches):
 
-Paths (all AdamW, lr 1e-3, one optimizer step per window of N micro-batches):
+  plain-bf16       bf16 params, autograd adds each micro-batch into bf16 ``.grad`` (loss / N)
+  plain-autocast   fp32 params, bf16 autocast, fp32 ``.grad`` (loss / N)
+  plain-fp32       fp32 params, fp32 compute (precision reference only)
+  ours-hooks       bf16 params, AccumulatingOptimizer, intake "hooks" (fp32 buffers, fused fold)
+  ours-grad        bf16 params, AccumulatingOptimizer, intake "grad" (.grad is the fp32 buffer)
+  ours-master      ours-hooks with fp32 master weights
 
-  plain-bf16       bf16 params, autograd adds each micro-batch into bf16 ``.grad``
-  plain-autocast   fp32 params, bf16 autocast, fp32 ``.grad``
-  ours-bf16        bf16 params, AccumulatingOptimizer (fp32 buffers)
-  ours-bf16-master the same with fp32 master weights
+``windows_suite``: each (path, model, N) measured in a fresh process
+(``python -m bench.e2e --one '<json>'``) so that its peak memory is its own:
+on CUDA the allocator's ``max_memory_allocated``, on the CPU the growth of the
+process's peak resident set (``VmHWM``, reset when the model and data are built).
+Reported: median time per window, peak memory, the step's share of the window.
 
-Reported per window: median time, peak memory, the step's share of the window
-(the last ``step()`` call, which runs the optimizer), and the relative error of
-the window's summed gradient against a float64 sum of the same micro-batch
-gradients (computed once, outside the timing).
+``precision_suite``: for N = 1 ... 128 micro-batches (GPT d=128, 2 layers,
+micro-batches of 4 x 32 tokens, all paths starting from the same bf16-exact
+weights), the relative L2 error of each path's window gradient (the mean over
+the window) against two references:
+
+  summation error   the float64 sum of the same micro-batch gradients (those of
+                    the path's own backward): the error of accumulating them
+  total error       the float64 gradient of the big batch (the weights upcast to
+                    float64, forward and backward in float64): everything,
+                    the low-precision backward included
+
+``trade_suite``: one effective batch of B sequences as N micro-batches of B/N.
 """
 
 from __future__ import annotations
@@ -30,12 +42,14 @@ import time
 
 import torch
 
-PATHS = ("plain-bf16", "plain-autocast", "ours-bf16", "ours-bf16-master")
+PATHS = ("plain-bf16", "plain-autocast", "ours-hooks", "ours-grad", "ours-master")
+PRECISION_PATHS = ("plain-bf16", "plain-autocast", "plain-fp32", "ours-hooks", "ours-grad")
 SIZES = {  # name: (d_model, layers); small enough for the default run to fit in minutes on 2 cores
     "gpt-d64": (64, 2),
     "gpt-d128": (128, 2),
     "gpt-d256": (256, 2),
 }
+VOCAB = 256
 
 
 def _proc_status_kib(field: str) -> int:
@@ -71,47 +85,67 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def run_one(cfg: dict) -> dict:
-    """One (path, model, N, micro-batch) measurement, in this process."""
-    import accumkernels as ak
+def _model(name: str, device, ctx: int):
     from accumkernels.testing import GPT
 
-    device = torch.device(cfg["device"])
-    path, n_micro, micro_batch, ctx, windows = cfg["path"], cfg["n_micro"], cfg["micro_batch"], 64, cfg["windows"]
-    d, layers = SIZES[cfg["model"]]
+    d, layers = SIZES[name]
     torch.manual_seed(0)
-    model = GPT(vocab=256, d=d, layers=layers, heads=4, ctx=ctx).to(device)
-    if path != "plain-autocast":
+    model = GPT(vocab=VOCAB, d=d, layers=layers, heads=4, ctx=ctx).to(device)
+    with torch.no_grad():  # bf16-exact weights: every path starts from the same values
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    return model
+
+
+def _tokens(n: int, batch: int, ctx: int, device, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (batch, ctx), generator=g).to(device) for _ in range(n)]
+
+
+def _loss(model, idx, autocast: bool):
+    targets = (idx * 7 + 3) % VOCAB  # learnable: a fixed map from each token
+    with torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=autocast):
+        return model.loss(idx, targets)
+
+
+def _setup(path: str, model_name: str, n_micro: int, device, ctx: int):
+    """(model, optimizer the loop calls step() on, divisor of each micro-batch's loss)."""
+    import accumkernels as ak
+
+    model = _model(model_name, device, ctx)
+    if path not in ("plain-autocast", "plain-fp32"):
         model = model.to(torch.bfloat16)
-    params = list(model.parameters())
-    inner = torch.optim.AdamW(params, lr=1e-3)
-    opt = inner
-    if path.startswith("ours"):
-        opt = ak.AccumulatingOptimizer(inner, accum_steps=n_micro, master_weights=path.endswith("master"))
-    data = [torch.randint(0, 256, (micro_batch, ctx), device=device) for _ in range(n_micro)]
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if not path.startswith("ours"):
+        return model, inner, n_micro  # the plain paths divide each micro-batch's loss by N by hand
+    intake = "grad" if path == "ours-grad" else "hooks"
+    opt = ak.AccumulatingOptimizer(inner, accum_steps=n_micro, intake=intake, master_weights=path == "ours-master")
+    return model, opt, 1  # the wrapper divides in the step (normalize="mean")
 
-    # The plain paths divide each micro-batch's loss by N by hand; the wrapper
-    # takes the loss as is and divides in the step (normalize="mean").
-    divisor = n_micro if path.startswith("plain") else 1
 
-    def micro_loss(model, idx):
-        targets = (idx * 7 + 3) % 256
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=path == "plain-autocast"):
-            return model.loss(idx, targets) / divisor
+def run_one(cfg: dict) -> dict:
+    """One (path, model, N, micro-batch) timing and memory measurement, in this process."""
+    device = torch.device(cfg["device"])
+    path, n_micro, ctx = cfg["path"], cfg["n_micro"], 64
+    model, opt, divisor = _setup(path, cfg["model"], n_micro, device, ctx)
+    data = _tokens(n_micro, cfg["micro_batch"], ctx, device)
+    ours, autocast = path.startswith("ours"), path == "plain-autocast"
 
     def window():
         step_seconds = 0.0
         for i, idx in enumerate(data):
-            micro_loss(model, idx).backward()
-            if path.startswith("ours"):
-                if i == n_micro - 1:
+            (_loss(model, idx, autocast) / divisor).backward()
+            if ours:
+                last = i == n_micro - 1
+                if last:
                     _sync(device)
                     t0 = time.perf_counter()
                 opt.step()
-                if i == n_micro - 1:
+                opt.zero_grad()
+                if last:
                     _sync(device)
                     step_seconds = time.perf_counter() - t0
-        if path.startswith("plain"):
+        if not ours:
             _sync(device)
             t0 = time.perf_counter()
             opt.step()
@@ -124,43 +158,67 @@ def run_one(cfg: dict) -> dict:
     baseline = _reset_peak(device)
     window()  # warm-up (allocates state and buffers)
     times, step_times = [], []
-    for _ in range(windows):
+    for _ in range(cfg["windows"]):
         _sync(device)
         t0 = time.perf_counter()
         step_times.append(window())
         _sync(device)
         times.append(time.perf_counter() - t0)
-    peak = _peak_bytes(device) - baseline
-
-    # Gradient error of one window's accumulation, against a float64 sum of the
-    # very same micro-batch gradients (taken one by one from a copy).
-    exact = [torch.zeros_like(p, dtype=torch.float64) for p in params]
-    for idx in data:
-        grads = torch.autograd.grad(micro_loss(model, idx), params)
-        for e, g in zip(exact, grads):
-            e += g.double()
-    if path.startswith("ours"):
-        for idx in data[:-1]:
-            micro_loss(model, idx).backward()
-            opt.step()
-        micro_loss(model, data[-1]).backward()
-        got = [opt.accumulated_grad(p).double() for p in params]  # the window's mean
-        exact = [e / n_micro for e in exact]  # our losses are not divided by N: the step divides
-        opt.zero_grad()
-    else:
-        for idx in data:
-            micro_loss(model, idx).backward()
-        got = [p.grad.double() for p in params]
-    num = sum(((g - e) ** 2).sum() for g, e in zip(got, exact)) ** 0.5
-    den = sum((e**2).sum() for e in exact) ** 0.5
     return {
         **cfg,
         "window_ms": statistics.median(times) * 1e3,
         "step_share": statistics.median(s / t for s, t in zip(step_times, times)),
-        "peak_mib": peak / 2**20,
-        "grad_rel_error": (num / den).item(),
-        "params": sum(p.numel() for p in params),
+        "peak_mib": (_peak_bytes(device) - baseline) / 2**20,
+        "params": sum(p.numel() for p in model.parameters()),
     }
+
+
+def _relative_error(got: list[torch.Tensor], exact: list[torch.Tensor]) -> float:
+    num = sum(((g.double() - e) ** 2).sum() for g, e in zip(got, exact)) ** 0.5
+    return (num / sum((e**2).sum() for e in exact) ** 0.5).item()
+
+
+def precision_suite(device: str, quick: bool, progress=print) -> list[dict]:
+    """Summation and total error of each path's window gradient against N."""
+    device = torch.device(device)
+    ns = [1, 4, 16] if quick else [1, 2, 4, 8, 16, 32, 64, 128]
+    model_name, batch, ctx = "gpt-d128", 4, 32
+    data = _tokens(max(ns), batch, ctx, device, seed=2)
+    reference = _model(model_name, device, ctx).double()
+    ref_params = list(reference.parameters())
+    rows = []
+    for n in ns:
+        # The float64 gradient of the big batch (the mean of the N micro-batch losses).
+        exact = [torch.zeros_like(p) for p in ref_params]
+        for idx in data[:n]:
+            for e, g in zip(exact, torch.autograd.grad(_loss(reference, idx, False) / n, ref_params)):
+                e += g
+        for path in PRECISION_PATHS:
+            model, opt, divisor = _setup(path, model_name, n, device, ctx)
+            params = list(model.parameters())
+            autocast = path == "plain-autocast"
+            own_sum = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+            acc = [torch.zeros_like(p) for p in params]  # what autograd's .grad += does, in the param dtype
+            for i, idx in enumerate(data[:n]):
+                grads = torch.autograd.grad(_loss(model, idx, autocast), params)
+                for s, g in zip(own_sum, grads):
+                    s += g.double() / n
+                if path.startswith("ours"):
+                    _loss(model, idx, autocast).backward()
+                    if i < n - 1:
+                        opt.step()
+                else:
+                    for a, g in zip(acc, grads):
+                        a.add_(g / divisor)
+            got = [opt.accumulated_grad(p) for p in params] if path.startswith("ours") else acc
+            rows.append({"path": path, "n_micro": n, "model": model_name, "micro_batch": batch, "ctx": ctx,
+                         "sum_error": _relative_error(got, own_sum),
+                         "total_error": _relative_error(got, exact)})  # fmt: skip
+            r = rows[-1]
+            progress(f"  N={n:<4d} {path:15s} summation error {r['sum_error']:.1e}   total error {r['total_error']:.1e}")
+            if path.startswith("ours"):
+                opt.close()
+    return rows
 
 
 def measure(cfg: dict) -> dict:
@@ -183,8 +241,8 @@ def windows_suite(device: str, quick: bool, progress=print) -> list[dict]:
                 cfg = dict(device=device, path=path, model=model, n_micro=n, micro_batch=4, windows=2 if quick else 3)
                 rows.append(measure(cfg))
                 r = rows[-1]
-                progress(f"  {model:9s} N={n:<3d} {path:17s} {r['window_ms']:9.1f} ms/window  peak {r['peak_mib']:8.1f} MiB"
-                         f"  step {r['step_share'] * 100:5.1f} %  grad error {r['grad_rel_error']:.1e}")  # fmt: skip
+                progress(f"  {model:9s} N={n:<3d} {path:15s} {r['window_ms']:9.1f} ms/window  peak {r['peak_mib']:8.1f} MiB"
+                         f"  step {r['step_share'] * 100:5.1f} %")  # fmt: skip
     return rows
 
 
@@ -196,7 +254,7 @@ def trade_suite(device: str, quick: bool, progress=print) -> list[dict]:
     model = "gpt-d64" if quick or device == "cpu" else "gpt-d256"
     rows = []
     for n in ns:
-        for path in ("plain-autocast", "ours-bf16"):
+        for path in ("plain-autocast", "ours-hooks"):
             cfg = dict(device=device, path=path, model=model, n_micro=n, micro_batch=batch // n, windows=2)
             rows.append(measure(cfg))
             r = rows[-1]

@@ -118,6 +118,14 @@ def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
     grad_bf16 = g16["bf16"].clone()
     group.add("autograd_bf16", "autograd-style bf16 .grad += bf16 grad", 6, numel,
               lambda: grad_bf16.add_(g16["bf16"]))  # fmt: skip
+    # What the wrapper's "grad" intake leaves to autograd: a bf16 gradient added
+    # into a bf16 param's fp32 .grad (param.grad_dtype = float32), by AccumulateGrad itself.
+    if hasattr(torch.Tensor, "grad_dtype"):
+        leaf = torch.zeros(numel, device=device, dtype=torch.bfloat16, requires_grad=True)
+        leaf.grad_dtype = torch.float32
+        leaf.grad = buf
+        group.add("autograd_fp32_grad", "autograd into fp32 .grad of a bf16 param (intake 'grad')", 10, numel,
+                  lambda: torch.autograd.backward([leaf], [g16["bf16"]]))  # fmt: skip
     for backend in backends:
         _check_accumulate(device, backend, 100003)
         for name, g in g16.items():
@@ -129,6 +137,7 @@ def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
                   lambda backend=backend: ak.accumulate_([buf], [g16["bf16"]], 0.5, overwrite=True, backend=backend))  # fmt: skip
     group.time(reps, rows)
     del buf, g32, g16, group, grad_bf16
+    leaf = None
 
     # ---- a model's parameter list ------------------------------------------
     # d=512: every tensor <= 4M elements; d=2048: the MLP and attention weights
