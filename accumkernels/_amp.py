@@ -99,3 +99,55 @@ class LossScale:
 
     def next_micro_step(self) -> None:
         self._cached = None
+
+
+def meet_driver(optimizer, *, intake, loss_scale: LossScale, ends_window: bool, device: torch.device) -> None:
+    """Handle a GradScaler that is calling ``optimizer.step()`` through its
+    standard protocol, whether it was given to the wrapper or not (frameworks
+    make their own):
+
+    - intake "hooks": the scaler calls step() directly (the wrapper handles
+      scaling). One it was not given is adopted at its first call: the window's
+      sum so far is unscaled and checked in place, later micro-batches as they
+      are folded. ``scaler.unscale_(opt)`` before is refused: there is no
+      ``.grad`` for it to unscale.
+    - intake "grad": the scaler unscales ``.grad`` (the buffers) and skips
+      step() on inf itself, so it must do that once per window."""
+    driver = scaler_driving(optimizer)
+    if driver is None or not driver.is_enabled():
+        return
+    given = loss_scale.scaler
+    if given is not None and given is not driver:
+        raise RuntimeError("step() is called by another GradScaler than the one given as grad_scaler=")
+    if intake.name == "grad":
+        if not ends_window:
+            raise RuntimeError(
+                "with intake='grad' a GradScaler unscales .grad, which holds the window's running sum: call "
+                "scaler.step(opt) and scaler.update() once per window (accum_steps=None), or use intake='hooks'"
+            )
+        return
+    if was_unscaled(driver, optimizer):
+        raise RuntimeError(
+            "scaler.unscale_(opt) found no .grad: with intake='hooks' gradients are folded into the wrapper's fp32 "
+            "buffers during backward. Clip with max_grad_norm= or opt.clip_grad_norm_(), or use intake='grad'"
+        )
+    if given is None:
+        intake.flush()
+        window = intake.window
+        views = [intake.layout.records[i].buffer for i in sorted(window.touched)]
+        unscale_and_check(views, inverse_scale(driver, device), window.step_found_inf)
+        loss_scale.scaler = driver
+
+
+def check_exposed_window(optimizer, scaler, views: list[torch.Tensor], found_inf: torch.Tensor,
+                         device: torch.device) -> None:  # fmt: skip
+    """Intake "grad" at the window's end: the inf/NaN check of the buffers and,
+    for a GradScaler that did not unscale this window (step() called directly),
+    their unscaling, in one pass; the scaler is told the result."""
+    if is_enabled(scaler):
+        if was_unscaled(scaler, optimizer):
+            return  # the scaler unscaled .grad, checked it, and calls step() only when finite
+        unscale_and_check(views, inverse_scale(scaler, device), found_inf)
+        report_found_inf(scaler, optimizer, device, found_inf)
+    else:
+        unscale_and_check(views, torch.ones(1, device=device), found_inf)

@@ -50,8 +50,11 @@ def _all_gather(output, input, group):
 class BucketReducer:
     """Launches and completes the per-bucket collectives of one window."""
 
-    def __init__(self, group, layout: Layout, window: Window, sharded: bool, wire_dtype) -> None:
+    def __init__(self, group, layout: Layout, window: Window, sharded: bool, wire_dtype, average: bool) -> None:
+        # average: the intake exposes the buffers as .grad, which must hold the
+        # window averaged over ranks (as DDP's) once reduced (see reduce_now)
         self.window = window
+        self.average = average
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -152,32 +155,24 @@ class BucketReducer:
         self.flat.div_(self.world)
         self.window.divisor = float(self.world)
 
-    def sync_window(self, check_inf: bool):
-        """Sum the window over ranks: launch the buckets not launched during
-        backward, then one float64 all-reduce of [inf flag, items, micro-steps,
-        a got-a-gradient mask over params] while they complete. Leaves
-        ``window.touched`` as the union over ranks (the mask is read on the
-        host: the one host sync of a distributed window); returns the global
-        inf flag and the global item and micro-step counts (device tensors)."""
-        window, device = self.window, self.flat.device
+    def end_window(self, check_inf: bool):
+        """The window's sums over ranks (see all_reduce_window), the buckets
+        not launched during backward launched first and completed meanwhile."""
+        if self.average and not self.finished:
+            self.reduce_now()
         self.launch_remaining()
-        flag = window.found_inf if check_inf else torch.zeros(1, device=device)
-        items = window.items if isinstance(window.items, torch.Tensor) else torch.tensor(float(window.items))
-        head = torch.stack([
-            flag.reshape(()).to(device, torch.float64),
-            items.reshape(()).to(device, torch.float64),
-            torch.tensor(float(window.micro_steps), dtype=torch.float64, device=device),
-        ])  # fmt: skip
-        mask = torch.zeros(len(self.layout), dtype=torch.float64)
-        mask[sorted(window.touched)] = 1.0
-        meta = torch.cat([head, mask.to(device)])
-        work = dist.all_reduce(meta, group=self.group, async_op=True)
-        if not self.finished:
-            self.finish()
-        work.wait()
-        union = meta[3:].cpu()
-        window.touched = set(union.nonzero().flatten().tolist())
-        return (meta[0:1] > 0).to(torch.float32), meta[1:2], meta[2:3]
+        return all_reduce_window(self.group, self.window, self.layout, check_inf,
+                                 while_waiting=None if self.finished else self.finish)  # fmt: skip
+
+    def squared_norm(self, local: torch.Tensor) -> torch.Tensor:
+        """The window gradient's squared norm from this rank's: every rank holds
+        the whole reduced buffer, or (sharded) its shard of it."""
+        return self.global_squared_norm(local) if self.sharded else local
+
+    def after_step(self) -> None:
+        if self.sharded:
+            self.gather_params()
+        self.reset()
 
     def global_squared_norm(self, local: torch.Tensor) -> torch.Tensor:
         """Sharded mode: the shards' squared norms summed over ranks."""
@@ -211,6 +206,32 @@ class BucketReducer:
                 if r.index in touched:
                     at = r.offset - b.start
                     flat_view(r.param).copy_(region[at : at + r.numel])
+
+
+def all_reduce_window(group, window: Window, layout: Layout, check_inf: bool, while_waiting=None):
+    """One float64 all-reduce of [inf flag, items, micro-steps, a got-a-gradient
+    mask over params] (``while_waiting`` runs while it is in flight). Leaves
+    ``window.touched`` as the union over ranks (the mask is read on the host:
+    the one host sync of a distributed window); returns the global inf flag and
+    the global item and micro-step counts (device tensors)."""
+    device = layout.flat.device
+    flag = window.found_inf if check_inf else torch.zeros(1, device=device)
+    items = window.items if isinstance(window.items, torch.Tensor) else torch.tensor(float(window.items))
+    head = torch.stack([
+        flag.reshape(()).to(device, torch.float64),
+        items.reshape(()).to(device, torch.float64),
+        torch.tensor(float(window.micro_steps), dtype=torch.float64, device=device),
+    ])  # fmt: skip
+    mask = torch.zeros(len(layout), dtype=torch.float64)
+    mask[sorted(window.touched)] = 1.0
+    meta = torch.cat([head, mask.to(device)])
+    work = dist.all_reduce(meta, group=group, async_op=True)
+    if while_waiting is not None:
+        while_waiting()
+    work.wait()
+    union = meta[3:].cpu()
+    window.touched = set(union.nonzero().flatten().tolist())
+    return (meta[0:1] > 0).to(torch.float32), meta[1:2], meta[2:3]
 
 
 # ---- DistributedDataParallel: taken over, not refused --------------------------

@@ -13,6 +13,7 @@ starts aligned too. All the flat-buffer arithmetic lives here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -53,7 +54,7 @@ class ParamRecord:
     """Everything the wrapper keeps about one param."""
 
     param: torch.Tensor
-    local: torch.Tensor  # the elements this process holds: the param, or a DTensor's local shard
+    local_of: Callable[[torch.Tensor], torch.Tensor]  # the param -> the elements this process holds
     index: int  # place in the wrapper's params: also its stochastic-rounding stream id
     group: int  # its param group
     offset: int  # first element of its view in the flat buffer
@@ -62,6 +63,12 @@ class ParamRecord:
     shard: tuple[int, int] | None = None  # [lo, hi) of its elements this rank steps; None: all
     master: torch.Tensor | None = None  # fp32 master weights of what this rank steps
     extra: dict = field(default_factory=dict)  # per-intake data (e.g. hook handles)
+
+    @property
+    def local(self) -> torch.Tensor:
+        """The elements of the param this process holds: the param itself, or a
+        DTensor's local shard (looked up each time: FSDP2 may replace it)."""
+        return self.local_of(self.param)
 
     @property
     def numel(self) -> int:
@@ -85,6 +92,27 @@ class ParamRecord:
         return flat_view(self.buffer)[self.shard[0] : self.shard[1]]
 
 
+def collect_params(optimizer) -> tuple[list[torch.Tensor], list[int]]:
+    """The optimizer's params in group order and the group of each; refuses a
+    param in two groups and sparse params."""
+    params, groups, seen = [], [], set()
+    for g, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) in seen:
+                raise ValueError(f"a param appears in more than one param group (again in group {g})")
+            if p.layout != torch.strided:
+                raise TypeError(f"param group {g} holds a {p.layout} param; only dense params are supported")
+            seen.add(id(p))
+            params.append(p)
+            groups.append(g)
+    return params, groups
+
+
+def param_signature(optimizer) -> tuple:
+    """Which params sit in which group: compared at every step() to the wrapped one."""
+    return tuple(tuple(id(p) for p in group["params"]) for group in optimizer.param_groups)
+
+
 class Layout:
     """The flat buffer, its buckets and the records of ``params``.
 
@@ -96,7 +124,7 @@ class Layout:
                  bucket_cap_mb: float, shard_ranks: int = 1, local=lambda p: p) -> None:  # fmt: skip
         # `local` maps a param to the tensor whose elements the buffers hold
         # (a DTensor's local shard under FSDP2).
-        self.records = [ParamRecord(p, local(p), i, g, 0) for i, (p, g) in enumerate(zip(params, groups))]
+        self.records = [ParamRecord(p, local, i, g, 0) for i, (p, g) in enumerate(zip(params, groups))]
         self._by_id = {id(r.param): r for r in self.records}
         cap = bucket_cap_mb * 2**20
         runs, current, size = [], [], 0

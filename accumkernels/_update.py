@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
+from ._fsdp import local_tensor
 from ._layout import Layout, ParamRecord
 
 KINDS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
@@ -31,7 +32,10 @@ class Updater:
     """Steps the params of a window from the buffers."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, layout: Layout, *, master_weights: bool,
-                 stochastic_rounding: bool, backend: str | None) -> None:  # fmt: skip
+                 stochastic_rounding: bool, backend: str | None, stream_of=lambda r: r.index) -> None:  # fmt: skip
+        # stream_of(record): its stochastic-rounding stream id (FSDP2: ranks hold
+        # different elements of a param, so the rank is mixed in).
+        self.stream_of = stream_of
         self.optimizer = optimizer
         self.kind = optimizer_kind(optimizer)
         self.layout = layout
@@ -85,17 +89,26 @@ class Updater:
                         self._adam(group, subset, grad_scale, found_inf, seed, zero_buffers)
 
     def _state_like(self, r: ParamRecord, key: str) -> torch.Tensor:
-        """The fp32 state tensor ``key`` of ``r`` (of its shard when sharded),
-        created as zeros laid out like what is stepped if missing."""
+        """The fp32 state tensor ``key`` of ``r`` (of this rank's elements),
+        created as zeros laid out like what is stepped if missing. For an FSDP2
+        param the state is a DTensor sharded like it (what torch.optim keeps,
+        and what torch.distributed.checkpoint saves); the kernels get its local
+        shard."""
         like = r.param_view()
         state = self.optimizer.state[r.param]
         value = state.get(key)
-        local = value.to_local() if hasattr(value, "to_local") else value
+        local = None if value is None else local_tensor(value)
         if local is None or local.dtype != torch.float32 or local.device != like.device or local.stride() != like.stride():
             fresh = torch.zeros_like(like, dtype=torch.float32, memory_format=torch.preserve_format)
             if local is not None:
                 fresh.copy_(local.reshape(fresh.shape))
-            state[key] = value = local = fresh
+            value = local = fresh
+            if r.param is not r.local:  # a DTensor param
+                from torch.distributed.tensor import DTensor
+
+                value = DTensor.from_local(fresh, r.param.device_mesh, r.param.placements, run_check=False,
+                                           shape=r.param.shape, stride=r.param.stride())  # fmt: skip
+            state[key] = value
         return local
 
     def _common(self, group, subset, grad_scale, found_inf, seed, zero_buffers) -> dict:
@@ -103,7 +116,7 @@ class Updater:
             grad_scale=grad_scale, found_inf=found_inf, maximize=group.get("maximize", False),
             master_params=[r.master for r in subset] if subset[0].master is not None else None,
             zero_buffers=zero_buffers, stochastic_rounding=self.stochastic_rounding, seed=seed,
-            positions=[r.index for r in subset], backend=self.backend,
+            positions=[self.stream_of(r) for r in subset], backend=self.backend,
         )  # fmt: skip
 
     def _sgd(self, group, subset, grad_scale, found_inf, seed, zero_buffers) -> None:

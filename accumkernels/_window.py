@@ -19,6 +19,21 @@ import torch
 NORMALIZE = ("mean", "sum", "items")
 
 
+def run_seed(seed: int | None, device: torch.device, group=None, world: int = 1) -> int:
+    """The stochastic-rounding seed of a run: the one given, or one drawn from
+    torch's generator (rank 0's in distributed runs: every rank that rounds the
+    same elements must draw the same bits)."""
+    if seed is None:
+        seed = int(torch.randint(0, 2**32, (), dtype=torch.int64))
+        if world > 1:
+            import torch.distributed as dist
+
+            shared = torch.tensor([seed], dtype=torch.int64, device=device)
+            dist.broadcast(shared, src=dist.get_global_rank(group or dist.group.WORLD, 0), group=group)
+            seed = int(shared.item())
+    return seed
+
+
 class Window:
     """The state of the current window. Everything that changes during training
     lives here (not on the wrapper), so a proxy object that copies the

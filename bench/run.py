@@ -94,7 +94,7 @@ def _plots(result: dict, folder: Path, stem: str) -> list[Path]:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for path in e2e.PRECISION_PATHS:
         pts = sorted((r["n_micro"], r) for r in prec if r["path"] == path)
-        style = dict(marker="o", label=path, **({"ls": "--", "marker": "x"} if path == "ours-grad" else {}))
+        style = {"marker": "o", "label": path, **({"ls": "--", "marker": "x"} if path == "ours-grad" else {})}
         summed = [(n, r["sum_error"]) for n, r in pts if r["sum_error"] > 0]  # N = 1 sums nothing: exact
         left.plot([n for n, _ in summed], [e for _, e in summed], **style)
         right.plot([n for n, _ in pts], [r["total_error"] for _, r in pts], **style)

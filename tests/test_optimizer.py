@@ -255,8 +255,8 @@ def test_params_without_gradient_are_skipped(backend):
 def test_fallback_optimizer(backend):
     windows = [data() for _ in range(3)]
     plain, ours = mlp(), mlp()
-    big_batch_run(plain, torch.optim.RMSprop(plain.parameters(), lr=1e-3), windows)
-    opt = ak.AccumulatingOptimizer(torch.optim.RMSprop(ours.parameters(), lr=1e-3), accum_steps=4, backend=backend)
+    big_batch_run(plain, torch.optim.RMSprop(plain.parameters(), lr=1e-3, eps=ADAM_EPS), windows)
+    opt = ak.AccumulatingOptimizer(torch.optim.RMSprop(ours.parameters(), lr=1e-3, eps=ADAM_EPS), accum_steps=4, backend=backend)
     micro_batch_run(ours, opt, windows, 4)
     assert rel_diff(ours, plain) <= 1e-5
 

@@ -1,0 +1,124 @@
+"""FSDP2 (``fully_shard``) models: params are DTensors sharded on a 1-D device
+mesh, and FSDP2 reduce-scatters each micro-step's gradient itself.
+
+The wrapper then holds fp32 buffers for this rank's shards only (1/W of the
+model per rank). FSDP2 calls a sharded param's post-accumulate-grad hooks after
+it assigned the reduce-scattered shard to ``.grad``: the hooks intake folds the
+local shard into the buffer and frees ``.grad``, so FSDP2 never accumulates
+(in the params' dtype) across micro-steps. With
+``set_requires_gradient_sync(False)`` on the first N-1 micro-steps, FSDP2 keeps
+its own unsharded accumulated gradient (in ``reduce_dtype``, full size on
+every rank) and hands over the window's shard on the last one.
+
+FSDP2 divides the reduced gradient by its gradient divide factor (the world
+size unless set otherwise): the buffers carry that divisor (``Window.divisor``).
+The window's counts and flags, which params got a gradient on any rank, and
+the gradient norm are summed over the mesh at the window's end, as in the
+wrapper's own distributed mode.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+import torch.distributed as dist
+
+
+def _dtensor_class():
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def is_sharded(params) -> bool:
+    """Whether any param is a DTensor (FSDP2 made it one)."""
+    DTensor = _dtensor_class()
+    return any(isinstance(p, DTensor) for p in params)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The elements of ``t`` this rank holds (a DTensor's local shard; a plain tensor itself)."""
+    return t._local_tensor if isinstance(t, _dtensor_class()) else t
+
+
+def mesh_of(params):
+    """The one 1-D mesh every param is Shard(0)-sharded on; refuses anything else."""
+    from torch.distributed.tensor import Shard
+
+    DTensor = _dtensor_class()
+    plain = [i for i, p in enumerate(params) if not isinstance(p, DTensor)]
+    if plain:
+        raise ValueError(
+            f"params {plain[:5]} are plain tensors beside FSDP2's DTensor params: apply fully_shard to the whole "
+            "model (its root too), so that every param the optimizer holds is sharded"
+        )
+    meshes = {id(p.device_mesh): p.device_mesh for p in params}
+    if len(meshes) > 1:
+        raise ValueError(f"the params are on {len(meshes)} device meshes; AccumulatingOptimizer supports one")
+    mesh = next(iter(meshes.values()))
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"the params are on a {mesh.ndim}-D device mesh (HSDP or tensor parallelism); AccumulatingOptimizer "
+            "supports FSDP2 on a 1-D mesh"
+        )
+    for i, p in enumerate(params):
+        if tuple(p.placements) != (Shard(0),):
+            raise ValueError(f"param {i} has placements {p.placements}; expected (Shard(0),), FSDP2's default")
+    return mesh
+
+
+def fsdp_param_groups(params) -> list:
+    """FSDP2's param groups that hold any of ``params`` (each fully_shard'ed module has one)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    ids = {id(p) for p in params}
+    groups = []
+    for obj in gc.get_objects():
+        if issubclass(type(obj), FSDPModule):
+            for group in obj._get_fsdp_state()._fsdp_param_groups:
+                if any(id(fp.sharded_param) in ids for fp in group.fsdp_params):
+                    groups.append(group)
+    return groups
+
+
+class FSDPSync:
+    """The window's cross-rank bookkeeping over the FSDP2 mesh (the same
+    interface as _distributed.BucketReducer, with no buffer to reduce)."""
+
+    started = False  # the buffers are never reduced in place by the wrapper
+
+    def __init__(self, mesh, params, window, layout) -> None:
+        self.group = mesh.get_group()
+        self.world = mesh.size()
+        self.rank = mesh.get_local_rank()
+        self._params = params
+        self._window = window
+        self._layout = layout
+        self._groups: list | None = None
+
+    def divisor(self) -> float:
+        """What FSDP2 divided the reduced gradient by: its gradient divide factor
+        where one is set, else the world size (its default average)."""
+        if self._groups is None:
+            self._groups = fsdp_param_groups(self._params)
+        factors = {g.gradient_divide_factor for g in self._groups}
+        if len(factors) > 1:
+            raise RuntimeError(f"the FSDP2 modules divide gradients by different factors {factors}: set one for all")
+        factor = factors.pop() if factors else None
+        return float(self.world if factor is None else factor)
+
+    def end_window(self, check_inf: bool):
+        from ._distributed import all_reduce_window
+
+        self._window.divisor = self.divisor()
+        return all_reduce_window(self.group, self._window, self._layout, check_inf)
+
+    def squared_norm(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank holds its shards: the squared norms add up over the mesh."""
+        squared = local.reshape(1).clone()
+        dist.all_reduce(squared, group=self.group)
+        return squared.reshape(())
+
+    def after_step(self) -> None:
+        pass
