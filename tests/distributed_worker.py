@@ -332,7 +332,7 @@ def wire(cfg, rank, world):
     buffer after it (sharded: its shard holds the sum) and its shard ranges."""
     model = Net()
     opt = wrapped(cfg, model)
-    flat, reducer = opt._layout.flat, opt._reducer
+    flat, reducer = opt._layout.flat, opt._sync
     flat.copy_(wire_contribution(cfg["seed"], rank, flat.numel()))
     opt._window.touched = set(range(len(opt._layout)))
     reducer.launch_remaining()
