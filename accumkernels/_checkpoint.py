@@ -11,6 +11,8 @@ named, and the wrapper goes on as it was.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 
@@ -45,10 +47,12 @@ def check_loadable(wrapper, state_dict: dict, extra: dict | None) -> None:
     elif wrapper.sharded:
         raise ValueError("sharded=True loads only its own state dicts (a plain optimizer's holds whole params)")
     for saved_id, r in _params_in_saved_order(wrapper, state_dict):
-        like = r.param_view()
         for key, value in state_dict["state"].get(saved_id, {}).items():
             if not torch.is_tensor(value):
                 continue
+            # A DTensor (FSDP2 state) is checked against the whole param, a plain
+            # tensor against what this rank steps.
+            like = r.param if hasattr(value, "device_mesh") else r.param_view()
             if key == "step" or value.numel() == 1 and like.numel() != 1:
                 if value.numel() != 1:
                     raise ValueError(f"checkpoint's {key!r} of param {r.index} has {value.numel()} elements; expected 1")
@@ -89,3 +93,43 @@ def load_fp32_state(wrapper, state_dict: dict) -> None:
         for key, value in state_dict["state"].get(saved_id, {}).items():
             if torch.is_tensor(value) and key != "step" and value.is_floating_point():
                 wrapper.state[r.param][key] = value.to(device=r.local.device, dtype=torch.float32, copy=True)
+
+
+# ---- torch.distributed.checkpoint -----------------------------------------------
+#
+# get_optimizer_state_dict / set_optimizer_state_dict (torch.distributed.checkpoint.
+# state_dict) handle the wrapper as any optimizer: its param_groups and state are
+# the wrapped optimizer's, its state_dict() their state dict. Two of their habits
+# need care: they keep only 'state' and 'param_groups' (the in-window entry would
+# be dropped), and to create missing state they call step() with zero gradients
+# and lr 0 (which would count a micro-step).
+
+_DCP = "torch.distributed.checkpoint.state_dict"
+
+
+def _called_from(module: str, function: str) -> bool:
+    frame = sys._getframe(2)
+    for _ in range(12):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == function and frame.f_globals.get("__name__") == module:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def dcp_initializing_state() -> bool:
+    """step() is being called by torch.distributed.checkpoint to create the
+    optimizer's state (with zero gradients and lr 0), not by training."""
+    return _called_from(_DCP, "_init_optim_state")
+
+
+def refuse_dcp_mid_window(window) -> None:
+    """get_optimizer_state_dict keeps the optimizer state but not the wrapper's
+    in-window entry: refused while a window holds gradients."""
+    if (window.micro_steps or window.touched) and _called_from(_DCP, "_get_optim_state_dict"):
+        raise RuntimeError(
+            "torch.distributed.checkpoint's get_optimizer_state_dict would drop the gradients of the window in "
+            f"progress ({window.micro_steps} micro-steps): call it after the window's last step(), or save "
+            "opt.state_dict() per rank (torch.save), which keeps them"
+        )

@@ -55,6 +55,21 @@ class Updater:
     def state_keys(self) -> tuple[str, ...]:
         return _STATE_KEYS.get(self.kind, ())
 
+    def init_state(self) -> None:
+        """Create the state of every param this rank steps (zeros, step 0), as a
+        first step would, without stepping."""
+        for group in self.optimizer.param_groups:
+            for r in (self.layout.record(p) for p in group["params"]):
+                if not r.stepped_here or self.kind == "fallback":
+                    continue
+                keys = [k for k in self.state_keys if k != "max_exp_avg_sq" or group.get("amsgrad")]
+                if self.kind == "sgd" and not group["momentum"]:
+                    keys = []
+                for key in keys:
+                    self._state_like(r, key)
+                if self.kind != "sgd":
+                    self.optimizer.state[r.param].setdefault("step", torch.zeros((), device=r.local.device))
+
     # ---- the global norm ------------------------------------------------------
 
     def local_squared_norm(self, records: list[ParamRecord]) -> torch.Tensor:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _amp, _distributed, _fsdp
+from . import _amp, _checkpoint, _distributed, _fsdp
 from ._checkpoint import check_loadable, load_fp32_state
 from ._intake import INTAKES, make_intake
 from ._layout import Layout, collect_params, param_signature
@@ -239,6 +239,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 tokens) this micro-batch's sum-reduced loss covers; a number or a
                 1-element tensor on the params' device.
         """
+        if _checkpoint.dcp_initializing_state():
+            self._updater.init_state()
+            return None
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -338,6 +341,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         plus an ``"accumkernels"`` entry with the in-window state: buffers,
         counts, inf flags, master weights, seed. Per rank in distributed runs."""
         self._refuse_during_reduction("state_dict()")
+        _checkpoint.refuse_dcp_mid_window(self._window)
         self._intake.flush()
         sd = self.optimizer.state_dict()
         sd["accumkernels"] = {

@@ -58,10 +58,11 @@ CASES_2 = {
 CASES_4 = PARITY
 
 
-def spawn(world: int, cases: dict) -> list[dict]:
+def spawn(world: int, cases: dict, main=worker.main) -> list[dict]:
+    """Run ``cases`` on ``world`` gloo ranks (``main``: a worker's entry); every rank's results."""
     cases = {k: dict(v, seed=SEED % 2**20, backend=BACKEND) for k, v in cases.items()}
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker.main, args=(world, os.path.join(tmp, "init"), tmp, cases), nprocs=world)
+        mp.spawn(main, args=(world, os.path.join(tmp, "init"), tmp, cases), nprocs=world)
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 

@@ -1,0 +1,297 @@
+"""Scenarios of tests/test_fsdp.py, run on every rank of a gloo process group
+(CPU): a model through FSDP2's fully_shard with AccumulatingOptimizer. Each
+returns a picklable dict; results go to one file per rank."""
+
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn import functional as F
+
+import accumkernels as ak
+from accumkernels.testing import exit_skipping_teardown
+
+N_MICRO, WINDOWS, ADAM_EPS = 4, 3, 1e-4
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class Net(nn.Module):
+    """Two blocks (each its own fully_shard unit) and a head."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        torch.manual_seed(1234)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(12 if i == 0 else width, width), nn.LayerNorm(width),
+                                                  nn.GELU()) for i in range(2))  # fmt: skip
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).float()
+
+
+def micro_batch(seed, window, rank, micro, varying=False):
+    g = torch.Generator().manual_seed(seed * 1_000_003 + window * 10_007 + rank * 101 + micro)
+    n = int(torch.randint(2, 9, (1,), generator=g)) if varying else 4
+    return torch.randn(n, 12, generator=g) * 3, torch.randn(n, 3, generator=g)
+
+
+def shard(model, mesh, param_dtype=None, reduce_dtype=None):
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def make_optimizer(params, name="adamw"):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-3)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=ADAM_EPS)
+
+
+def wrapped_model(cfg, mesh, **options):
+    model = Net()
+    if cfg.get("storage") == "bf16":
+        model = model.to(torch.bfloat16)
+    shard(model, mesh, DTYPES.get(cfg.get("param_dtype")), DTYPES.get(cfg.get("reduce_dtype")))
+    opt = ak.AccumulatingOptimizer(make_optimizer(model.parameters(), cfg.get("optimizer", "adamw")),
+                                   accum_steps=N_MICRO, backend=cfg["backend"], **options)  # fmt: skip
+    return model, opt
+
+
+def reference(cfg, world):
+    """One process, one big step per window on every rank's micro-batches."""
+    model = Net()
+    opt = make_optimizer(model.parameters(), cfg.get("optimizer", "adamw"))
+    items = cfg.get("normalize") == "items"
+    for w in range(WINDOWS):
+        opt.zero_grad()
+        batches = [micro_batch(cfg["seed"], w, r, m, items) for r in range(world) for m in range(N_MICRO)]
+        if items:
+            loss = sum(F.mse_loss(model(x), y, reduction="sum") for x, y in batches) / sum(y.numel() for _, y in batches)
+        else:
+            loss = sum(F.mse_loss(model(x), y) for x, y in batches) / len(batches)
+        loss.backward()
+        if cfg.get("clip"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def full_params(model):
+    return [p.full_tensor().detach().float().clone() for p in model.parameters()]
+
+
+def train(cfg, model, opt, rank, windows=range(WINDOWS), no_sync=False, poison=None):
+    items = cfg.get("normalize") == "items"
+    for w in windows:
+        for m in range(N_MICRO):
+            if no_sync:
+                model.set_requires_gradient_sync(m == N_MICRO - 1)
+            x, y = micro_batch(cfg["seed"], w, rank, m, items)
+            out = model(x.to(next(model.parameters()).dtype))
+            loss = F.mse_loss(out, y, reduction="sum" if items else "mean")
+            if poison == (w, m, rank):
+                loss = loss * float("inf")
+            loss.backward()
+            opt.step(num_items=y.numel() if items else None)
+            opt.zero_grad()
+
+
+def parity(cfg, rank, world, mesh):
+    """W ranks x N micro-steps against one process with the W*N micro-batches."""
+    model, opt = wrapped_model(cfg, mesh, max_grad_norm=cfg.get("clip"), normalize=cfg.get("normalize", "mean"))
+    train(cfg, model, opt, rank, no_sync=cfg.get("no_sync", False))
+    out = {"params": full_params(model)}
+    if rank == 0:
+        out["reference"] = reference(cfg, world)
+    return out
+
+
+def _shard_recorder(model, sums):
+    """A hook before the wrapper's on every sharded param: the float64 sum of
+    the shards FSDP2 hands over, micro-step by micro-step."""
+    for i, p in enumerate(model.parameters()):
+        def record(param, i=i):
+            if param.grad is not None:
+                g = param.grad._local_tensor.double()
+                sums[i] = g.clone() if i not in sums else sums[i] + g
+
+        p.register_post_accumulate_grad_hook(record)
+
+
+def bf16_shards(cfg, rank, world, mesh):
+    """bf16 sharded params: the window gradient the wrapper steps with against
+    the float64 sum of the same shards, next to FSDP2's own accumulation of
+    them in bf16 .grad (plain AdamW, no wrapper)."""
+    errors = {}
+    for path in ("plain", "ours"):
+        model = shard(Net().to(torch.bfloat16), mesh, reduce_dtype=torch.float32)
+        sums = {}
+        _shard_recorder(model, sums)
+        params = list(model.parameters())
+        opt = ak.AccumulatingOptimizer(make_optimizer(params), accum_steps=N_MICRO, backend=cfg["backend"]) \
+            if path == "ours" else None  # fmt: skip
+        for m in range(N_MICRO):
+            x, y = micro_batch(cfg["seed"], 0, rank, m)
+            F.mse_loss(model(x.bfloat16()), y).backward()
+            if m < N_MICRO - 1 and opt is not None:
+                opt.step()
+        got = [opt.accumulated_grad(p) * N_MICRO if opt is not None else p.grad._local_tensor.double() for p in params]
+        num = sum(((g.double() - sums[i]) ** 2).sum() for i, g in enumerate(got))
+        den = sum((s**2).sum() for s in sums.values())
+        errors[path] = (num / den).sqrt().item()
+    return errors
+
+
+def inf_skip(cfg, rank, world, mesh):
+    """An inf on rank 1 skips the window on every rank."""
+    model, opt = wrapped_model(cfg, mesh, skip_nonfinite=True)
+    before = full_params(model)
+    train(cfg, model, opt, rank, windows=[0], poison=(0, 2, 1))
+    skipped = all(torch.equal(a, b) for a, b in zip(full_params(model), before))
+    train(cfg, model, opt, rank, windows=[1])
+    return {"skipped": skipped, "moved": not all(torch.equal(a, b) for a, b in zip(full_params(model), before))}
+
+
+def resume(cfg, rank, world, mesh):
+    """Stop mid-window (after window 0 and two micro-steps of window 1), save
+    per rank, load into fresh objects: the rest is bitwise the same."""
+    options = dict(max_grad_norm=0.5, stochastic_rounding=cfg.get("storage") == "bf16")
+    straight, straight_opt = wrapped_model(cfg, mesh, seed=7, **options)
+    train(cfg, straight, straight_opt, rank, windows=range(WINDOWS))
+
+    first, first_opt = wrapped_model(cfg, mesh, seed=7, **options)
+    train(cfg, first, first_opt, rank, windows=[0])
+    for m in range(2):
+        x, y = micro_batch(cfg["seed"], 1, rank, m)
+        F.mse_loss(first(x.to(next(first.parameters()).dtype)), y).backward()
+        first_opt.step()
+    blob = io.BytesIO()
+    torch.save({"model": first.state_dict(), "opt": first_opt.state_dict()}, blob)
+    blob.seek(0)
+    saved = torch.load(blob, weights_only=False)
+    resumed, resumed_opt = wrapped_model(cfg, mesh, seed=99, **options)
+    resumed.load_state_dict(saved["model"])
+    resumed_opt.load_state_dict(saved["opt"])
+    assert resumed_opt.micro_steps == 2
+    for m in range(2, N_MICRO):
+        x, y = micro_batch(cfg["seed"], 1, rank, m)
+        F.mse_loss(resumed(x.to(next(resumed.parameters()).dtype)), y).backward()
+        resumed_opt.step()
+    train(cfg, resumed, resumed_opt, rank, windows=range(2, WINDOWS))
+    return {"same": all(torch.equal(a, b) for a, b in zip(full_params(straight), full_params(resumed)))}
+
+
+def dcp_round_trip(cfg, rank, world, mesh):
+    """torch.distributed.checkpoint: the optimizer state dict of
+    get_optimizer_state_dict, saved with dcp.save and loaded with dcp.load and
+    set_optimizer_state_dict into a fresh model and wrapper, at a window
+    boundary (refused mid-window, where it would drop the window's gradients)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    model, opt = wrapped_model(cfg, mesh)
+    empty = get_optimizer_state_dict(model, opt)  # DCP calls step() to create the state: no micro-step counted
+    assert opt.micro_steps == 0 and all(float(s["step"]) == 0 for s in empty["state"].values())
+    train(cfg, model, opt, rank, windows=[0])
+    x, y = micro_batch(cfg["seed"], 1, rank, 0)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    try:
+        get_optimizer_state_dict(model, opt)
+        refused = False
+    except RuntimeError as e:
+        refused = "window" in str(e)
+    for m in range(1, N_MICRO):
+        x, y = micro_batch(cfg["seed"], 1, rank, m)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    folder = os.path.join(cfg["tmp"], "dcp")
+    dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=folder)
+    fresh, fresh_opt = wrapped_model(cfg, mesh)
+    state = {"model": fresh.state_dict(), "optim": get_optimizer_state_dict(fresh, fresh_opt)}
+    dcp.load(state, checkpoint_id=folder)
+    fresh.load_state_dict(state["model"])
+    set_optimizer_state_dict(fresh, fresh_opt, state["optim"])
+    train(cfg, model, opt, rank, windows=[2])
+    train(cfg, fresh, fresh_opt, rank, windows=[2])
+    same = all(torch.equal(a, b) for a, b in zip(full_params(model), full_params(fresh)))
+    return {"refused_mid_window": refused, "same": same}
+
+
+def buffer_bytes(cfg, rank, world, mesh):
+    """The memory the wrapper's construction leaves allocated on this rank (its
+    buffers), measured by torch's profiler (every allocation and free of the
+    CPU allocator), against the model's size in fp32."""
+    width = 1024
+    model = Net(width)
+    shard(model, mesh)
+    full = sum(p.numel() for p in model.parameters()) * 4
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        opt = ak.AccumulatingOptimizer(make_optimizer(model.parameters()), accum_steps=N_MICRO, backend=cfg["backend"],
+                                       seed=0)  # fmt: skip
+    allocated = sum(e.self_cpu_memory_usage for e in prof.events())
+    return {"allocated": allocated, "full_fp32": full, "flat": opt._layout.flat.numel() * 4}
+
+
+def refusals(cfg, rank, world, mesh):
+    """What is not supported is refused at construction, with the reason."""
+    errors = {}
+    model = shard(Net(), mesh)
+
+    def attempt(name, make):
+        try:
+            make()
+            errors[name] = None
+        except (ValueError, RuntimeError) as e:
+            errors[name] = str(e)
+
+    attempt("sharded", lambda: ak.AccumulatingOptimizer(make_optimizer(model.parameters()), 4, sharded=True))
+    attempt("process_group", lambda: ak.AccumulatingOptimizer(make_optimizer(model.parameters()), 4,
+                                                              process_group=dist.group.WORLD))  # fmt: skip
+    attempt("grad_intake", lambda: ak.AccumulatingOptimizer(make_optimizer(model.parameters())))
+    plain = nn.Linear(3, 3)
+    attempt("mixed", lambda: ak.AccumulatingOptimizer(make_optimizer(list(model.parameters()) + list(plain.parameters())), 4))
+    mesh2 = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+    hsdp = Net()
+    fully_shard(hsdp, mesh=mesh2)
+    attempt("hsdp", lambda: ak.AccumulatingOptimizer(make_optimizer(hsdp.parameters()), 4))
+    other_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("other",))
+    two = Net()
+    fully_shard(two.blocks[0], mesh=other_mesh)
+    fully_shard(two, mesh=mesh)
+    attempt("two_meshes", lambda: ak.AccumulatingOptimizer(make_optimizer(two.parameters()), 4))
+    return errors
+
+
+SCENARIOS = {"parity": parity, "bf16_shards": bf16_shards, "inf_skip": inf_skip, "resume": resume,
+             "dcp_round_trip": dcp_round_trip, "buffer_bytes": buffer_bytes, "refusals": refusals}  # fmt: skip
+
+
+def main(rank: int, world: int, init_file: str, out_dir: str, cases: dict) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    mesh = init_device_mesh("cpu", (world,))
+    results = {}
+    for key, cfg in cases.items():
+        results[key] = SCENARIOS[cfg["scenario"]](dict(cfg, tmp=out_dir), rank, world, mesh)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+    exit_skipping_teardown(0)  # only on success: an exception above reaches mp.spawn
+
+
+if __name__ == "__main__":
+    sys.exit("run through tests/test_fsdp.py")
