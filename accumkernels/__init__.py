@@ -1,16 +1,21 @@
 """accumkernels: exact, fast, memory-lean gradient accumulation for PyTorch.
 
-Fused kernels fold bf16/fp16/fp32 gradients into persistent fp32 buffers
-(``accumulate_``) and run an optimizer step that reads those buffers and
-clears them in the same pass (``sgd_step_and_zero_``, ``adam_step_and_zero_``,
-``adamw_step_and_zero_``), plus a deterministic ``grad_norm``. Each op has a
-pure-PyTorch reference and native CPU kernels; ``available_backends()`` lists
-what this process can run.
+``AccumulatingOptimizer`` wraps a ``torch.optim`` optimizer: gradients are
+summed in fp32 buffers over a window of micro-batches and one fused step
+updates the params (in the user's loop, in HF Trainer, Accelerate, Lightning,
+on many processes, on FSDP2 models). ``plan_window`` picks the micro-batch
+size and accumulation steps for a memory budget. Underneath, fused ops fold
+bf16/fp16/fp32 gradients into fp32 buffers (``accumulate_``), step from them
+and clear them in one pass (``sgd_step_and_zero_``, ``adam_step_and_zero_``,
+``adamw_step_and_zero_``) and take a deterministic ``grad_norm``; each has a
+pure-PyTorch reference and CPU, CUDA and Triton kernels
+(``available_backends()`` lists what this process runs).
 """
 
 from . import _native
 from .backends import available_backends
 from .optim import AccumulatingOptimizer
+from .plan import WindowPlan, plan_window
 from .ops import (
     accumulate_,
     adam_step_and_zero_,
@@ -31,6 +36,8 @@ __all__ = [
     "adamw_step_and_zero_",
     "available_backends",
     "grad_norm",
+    "plan_window",
     "sgd_step_and_zero_",
+    "WindowPlan",
 ]
 __version__ = "0.1.0"

@@ -58,8 +58,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
 
     Args:
         optimizer: the optimizer to wrap, with all its param groups already added.
-        accum_steps: micro-steps per window; ``None``: every ``step()`` call ends a
-            window (frameworks, which count the window and scale the loss themselves).
+        accum_steps: micro-steps per window (or a ``WindowPlan`` from ``plan_window``);
+            ``None``: every ``step()`` call ends a window (frameworks, which count the
+            window and scale the loss themselves).
         normalize: ``"mean"``, ``"sum"`` or ``"items"`` (see above).
         max_grad_norm: clip the window's gradient to this global L2 norm.
         master_weights: keep fp32 master weights for bf16/fp16 params.
@@ -108,6 +109,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
         if isinstance(optimizer, AccumulatingOptimizer):
             raise TypeError("optimizer is already an AccumulatingOptimizer")
+        accum_steps = getattr(accum_steps, "accum_steps", accum_steps)  # a WindowPlan gives its own
         if accum_steps is not None and (isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1):
             raise ValueError(f"accum_steps must be None or an int >= 1; got {accum_steps!r}")
         if normalize not in NORMALIZE:
