@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 examples/train_gpt_distributed.py              # gloo on the CPU
     torchrun --nproc-per-node 8 examples/train_gpt_distributed.py --sharded    # NCCL, one GPU each
+    torchrun --nproc-per-node 2 examples/train_gpt_distributed.py --fsdp       # FSDP2: fully_shard per block
 
 Each rank draws its own micro-batches of a synthetic language (a fixed random
 Markov chain over 256 tokens, so there is something to learn and nothing to
@@ -9,8 +10,12 @@ download), of varying length with padding masked out. The loss is summed over
 the target tokens and ``normalize="items"`` divides the window's gradient by the
 tokens of all ranks' micro-batches: the exact token-weighted mean of the global
 batch. The wrapper reduces the fp32 buffers across ranks once per window, during
-the last micro-batch's backward; no DistributedDataParallel. ``--checkpoint``
-saves (and on restart resumes) each rank's state, mid-window included.
+the last micro-batch's backward; no DistributedDataParallel. With ``--fsdp``
+every block and the root go through FSDP2's ``fully_shard`` (fp32 sharded
+params, bf16 compute, fp32 reduce-scatter): FSDP2 reduce-scatters each
+micro-step and the wrapper sums this rank's shards in fp32 buffers (1/W of the
+model). ``--checkpoint`` saves (and on restart resumes) each rank's state,
+mid-window included.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--sharded", action="store_true", help="ZeRO-1: shard optimizer state across ranks")
     parser.add_argument("--bf16-wire", action="store_true", help="send bf16 on the wire, sum in fp32")
+    parser.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 (fully_shard per block)")
     parser.add_argument("--checkpoint", default=None, help="folder for per-rank checkpoints (resumed if present)")
     args = parser.parse_args()
 
@@ -70,16 +76,23 @@ def main() -> int:
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
 
     torch.manual_seed(0)  # the same initial weights on every rank
-    model = GPT(vocab=VOCAB, d=args.width, layers=args.layers, ctx=args.ctx).to(device, torch.bfloat16)
-    opt = ak.AccumulatingOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1),
-        accum_steps=args.accum_steps,
-        normalize="items",
-        max_grad_norm=1.0,
-        master_weights=True,
-        sharded=args.sharded,
-        wire_dtype=torch.bfloat16 if args.bf16_wire else torch.float32,
-    )
+    model = GPT(vocab=VOCAB, d=args.width, layers=args.layers, ctx=args.ctx).to(device)
+    if args.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        options = {}
+    else:
+        model = model.to(torch.bfloat16)
+        options = dict(master_weights=True, sharded=args.sharded,
+                       wire_dtype=torch.bfloat16 if args.bf16_wire else torch.float32)  # fmt: skip
+    opt = ak.AccumulatingOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1),
+                                   accum_steps=args.accum_steps, normalize="items", max_grad_norm=1.0, **options)  # fmt: skip
     chain = markov_chain()
     g = torch.Generator().manual_seed(1000 + rank)  # each rank its own micro-batches
     step = 0

@@ -245,10 +245,11 @@ def torchrun(args: list[str]) -> str:
     return out.stdout
 
 
-def test_example_runs_under_torchrun_and_resumes_mid_window(tmp_path):
-    """The example script, 2 ranks, sharded: a run that checkpoints mid-window,
-    then a restart from that checkpoint logs the same windows."""
-    args = ["--windows", "6", "--width", "32", "--ctx", "16", "--micro-batch", "2", "--sharded",
+@pytest.mark.parametrize("mode", ["--sharded", "--fsdp"])
+def test_example_runs_under_torchrun_and_resumes_mid_window(tmp_path, mode):
+    """The example script, 2 ranks, ZeRO-1 or FSDP2: a run that checkpoints
+    mid-window, then a restart from that checkpoint logs the same windows."""
+    args = ["--windows", "6", "--width", "32", "--ctx", "16", "--micro-batch", "2", mode,
             "--checkpoint", str(tmp_path)]  # fmt: skip
     first = torchrun(args)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.pt", "rank1.pt"]

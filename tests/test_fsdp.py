@@ -102,3 +102,23 @@ def test_refusals(runs):
     assert "plain tensors beside" in errors["mixed"]
     assert "2-D device mesh" in errors["hsdp"]
     assert "device meshes" in errors["two_meshes"]
+
+
+def test_fsdp_benchmark_quick_mode(tmp_path):
+    """`python -m bench.fsdp --quick`: every path, the wrapper's buffers at 1/W
+    of the model, FSDP2's no-sync path holding the whole unsharded gradient."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-m", "bench.fsdp", "--quick", "--results-dir", str(tmp_path)], cwd=root,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["path"]: r for r in json.loads((tmp_path / "fsdp-cpu-quick.json").read_text())["rows"]}
+    assert set(rows) == {"fsdp-bf16", "fsdp-no-sync-fp32", "ours"}
+    full_fp32_mib = rows["ours"]["params"] * 4 / 2**20
+    assert rows["ours"]["buffers_mib_per_rank"] <= 0.55 * full_fp32_mib
+    assert rows["fsdp-no-sync-fp32"]["unsharded_grad_mib_per_rank"] >= 0.95 * full_fp32_mib
+    assert all(r["window_ms"] > 0 and 0 < r["grad_rel_error_vs_float64"] < 0.1 for r in rows.values())
