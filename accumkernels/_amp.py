@@ -36,6 +36,15 @@ def report_found_inf(scaler, optimizer, device: torch.device, found_inf: torch.T
     scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = {device: found_inf.reshape(())}
 
 
+def report_micro_step(scaler, optimizer, device: torch.device, step_found_inf, distributed: bool) -> None:
+    """Hooks intake, after each micro-step: the scaler's update() after this
+    step() call backs off on what it is told here: the micro-step's own flag on
+    one process; distributed, nothing (every rank's scaler sees the window's
+    global flag at its end, and none before)."""
+    if is_enabled(scaler):
+        report_found_inf(scaler, optimizer, device, torch.zeros(1, device=device) if distributed else step_found_inf)
+
+
 def was_unscaled(scaler, optimizer) -> bool:
     """``scaler.unscale_(optimizer)`` ran since the last ``update()``."""
     return scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED

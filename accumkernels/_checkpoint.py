@@ -133,3 +133,19 @@ def refuse_dcp_mid_window(window) -> None:
             f"progress ({window.micro_steps} micro-steps): call it after the window's last step(), or save "
             "opt.state_dict() per rank (torch.save), which keeps them"
         )
+
+
+def load(wrapper, state_dict: dict) -> None:
+    """AccumulatingOptimizer.load_state_dict: everything checked, then written."""
+    state_dict = dict(state_dict)
+    extra = state_dict.pop("accumkernels", None)
+    check_loadable(wrapper, state_dict, extra)
+    wrapper.optimizer.load_state_dict(state_dict)
+    load_fp32_state(wrapper, state_dict)
+    wrapper._window.clear()
+    if extra is not None:
+        wrapper._layout.flat.copy_(extra["flat_buffer"])
+        wrapper._window.load_state_dict(extra)
+    for r in wrapper._layout:  # master weights: the checkpoint's, or the (already loaded) params'
+        if r.master is not None:
+            r.master.copy_(extra["master_weights"][r.index] if extra is not None else r.param_view())

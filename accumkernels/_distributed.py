@@ -174,6 +174,11 @@ class BucketReducer:
             self.gather_params()
         self.reset()
 
+    def stream_id(self, index: int) -> int:
+        """Param ``index``'s stochastic-rounding stream: the same on every rank
+        (every rank steps the same elements, or disjoint shards of them)."""
+        return index
+
     def global_squared_norm(self, local: torch.Tensor) -> torch.Tensor:
         """Sharded mode: the shards' squared norms summed over ranks."""
         squared = local.reshape(1).clone()

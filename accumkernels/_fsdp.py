@@ -122,3 +122,8 @@ class FSDPSync:
 
     def after_step(self) -> None:
         pass
+
+    def stream_id(self, index: int) -> int:
+        """Param ``index``'s stochastic-rounding stream on this rank: ranks hold
+        different elements of one param (shards), so each gets its own."""
+        return index * self.world + self.rank

@@ -172,6 +172,10 @@ class Layout:
     def __len__(self) -> int:
         return len(self.records)
 
+    def records_of(self, indices) -> list[ParamRecord]:
+        """The records with these indices, in index order."""
+        return [self.records[i] for i in sorted(indices)]
+
     def record(self, param: torch.Tensor) -> ParamRecord | None:
         return self._by_id.get(id(param))
 

@@ -28,14 +28,19 @@ def _number(value):
     return float(value) if isinstance(value, torch.Tensor) else value
 
 
+def clip_coefficient(max_norm: float, norm: torch.Tensor) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_'s coefficient: min(1, max_norm / (norm + 1e-6))."""
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
 class Updater:
     """Steps the params of a window from the buffers."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, layout: Layout, *, master_weights: bool,
-                 stochastic_rounding: bool, backend: str | None, stream_of=lambda r: r.index) -> None:  # fmt: skip
-        # stream_of(record): its stochastic-rounding stream id (FSDP2: ranks hold
-        # different elements of a param, so the rank is mixed in).
-        self.stream_of = stream_of
+                 stochastic_rounding: bool, backend: str | None, sync=None) -> None:  # fmt: skip
+        # sync: the window's cross-rank part (None on one process), for global
+        # norms and stochastic-rounding stream ids.
+        self.sync = sync
         self.optimizer = optimizer
         self.kind = optimizer_kind(optimizer)
         self.layout = layout
@@ -79,6 +84,14 @@ class Updater:
             return torch.zeros((), device=self.layout.flat.device)
         norm = ops.grad_norm(views, backend=self.backend)
         return norm * norm
+
+    def norm(self, records: list[ParamRecord], scale) -> torch.Tensor:
+        """Global L2 norm of ``scale`` times the buffers of ``records`` (over every rank)."""
+        squared = self.local_squared_norm(records)
+        if self.sync is not None:
+            squared = self.sync.squared_norm(squared)
+        return (squared.sqrt() * (scale.abs() if isinstance(scale, torch.Tensor) else abs(scale))).reshape(())
+
 
     # ---- the step ---------------------------------------------------------------
 
@@ -126,12 +139,17 @@ class Updater:
             state[key] = value
         return local
 
+    def _stream_id(self, r: ParamRecord) -> int:
+        """Its index; FSDP2 ranks hold different elements of a param, so there
+        the rank is mixed in (sync.stream_id)."""
+        return r.index if self.sync is None else self.sync.stream_id(r.index)
+
     def _common(self, group, subset, grad_scale, found_inf, seed, zero_buffers) -> dict:
         return dict(
             grad_scale=grad_scale, found_inf=found_inf, maximize=group.get("maximize", False),
             master_params=[r.master for r in subset] if subset[0].master is not None else None,
             zero_buffers=zero_buffers, stochastic_rounding=self.stochastic_rounding, seed=seed,
-            positions=[self.stream_of(r) for r in subset], backend=self.backend,
+            positions=[self._stream_id(r) for r in subset], backend=self.backend,
         )  # fmt: skip
 
     def _sgd(self, group, subset, grad_scale, found_inf, seed, zero_buffers) -> None:

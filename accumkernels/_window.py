@@ -96,6 +96,12 @@ class Window:
             raise RuntimeError("normalize='items': no items were counted in this window yet")
         return self.divisor / self.items
 
+    def global_normalization(self, items, micro_steps):
+        """A / D over every rank's window, from the ``items`` and ``micro_steps``
+        summed across ranks."""
+        total = {"sum": None, "mean": micro_steps, "items": items}[self.normalize]
+        return self.divisor if total is None else (self.divisor / total).to(torch.float32)
+
     def end_micro_step(self, check_inf: bool) -> torch.Tensor | None:
         """Count a micro-step; returns its inf/NaN flag (when checked)."""
         self.micro_steps += 1

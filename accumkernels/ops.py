@@ -126,27 +126,13 @@ def _scalar_tensors(args: dict) -> dict:
     return {"grad_scale": args["grad_scale_tensor"], "found_inf": args["found_inf"]}
 
 
-def sgd_step_and_zero_(
-    params: Tensors,
-    buffers: Tensors,
-    momentum_buffers: Tensors | None = None,
-    *,
-    lr: float,
-    momentum: float = 0.0,
-    dampening: float = 0.0,
-    weight_decay: float = 0.0,
-    nesterov: bool = False,
-    maximize: bool = False,
-    is_first_step: bool = False,
-    grad_scale: float | torch.Tensor = 1.0,
-    found_inf: torch.Tensor | None = None,
-    master_params: Tensors | None = None,
-    zero_buffers: bool = True,
-    stochastic_rounding: bool = False,
-    seed: int = 0,
-    positions: Sequence[int] | None = None,
-    backend: str | None = None,
-) -> None:
+def sgd_step_and_zero_(params: Tensors, buffers: Tensors, momentum_buffers: Tensors | None = None, *, lr: float,
+                       momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
+                       nesterov: bool = False, maximize: bool = False, is_first_step: bool = False,
+                       grad_scale: float | torch.Tensor = 1.0, found_inf: torch.Tensor | None = None,
+                       master_params: Tensors | None = None, zero_buffers: bool = True,
+                       stochastic_rounding: bool = False, seed: int = 0, positions: Sequence[int] | None = None,
+                       backend: str | None = None) -> None:  # fmt: skip
     """One torch.optim.SGD step from fp32 gradient buffers, then clear them, in one pass.
 
     Per element, with ``w`` the weight (``master_params`` if given, else the

@@ -15,14 +15,13 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from . import _amp, _checkpoint, _distributed, _fsdp
-from ._checkpoint import check_loadable, load_fp32_state
 from ._intake import INTAKES, make_intake
-from ._layout import Layout, collect_params, param_signature
-from ._update import Updater, optimizer_kind
-from ._window import NORMALIZE, Window, run_seed
+from ._layout import Layout, param_signature
+from ._options import check_options
+from ._update import Updater, clip_coefficient
+from ._window import Window, run_seed
 
 
 class AccumulatingOptimizer(torch.optim.Optimizer):
@@ -105,49 +104,13 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         sharded: bool = False,
         wire_dtype: torch.dtype = torch.float32,
     ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
         if isinstance(optimizer, AccumulatingOptimizer):
             raise TypeError("optimizer is already an AccumulatingOptimizer")
-        accum_steps = getattr(accum_steps, "accum_steps", accum_steps)  # a WindowPlan gives its own
-        if accum_steps is not None and (isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1):
-            raise ValueError(f"accum_steps must be None or an int >= 1; got {accum_steps!r}")
-        if normalize not in NORMALIZE:
-            raise ValueError(f"normalize must be one of {NORMALIZE}; got {normalize!r}")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0; got {max_grad_norm!r}")
-        if bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb must be > 0; got {bucket_cap_mb!r}")
-        if wire_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"wire_dtype must be torch.float32 or torch.bfloat16; got {wire_dtype!r}")
-        intake = intake or ("grad" if accum_steps is None else "hooks")
-        if intake not in INTAKES:
-            raise ValueError(f"intake must be None or one of {INTAKES}; got {intake!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32):
-            raise ValueError(f"seed must be None or an int in [0, 2**32); got {seed!r}")
-        kind = optimizer_kind(optimizer)
-        for flag, name in ((master_weights, "master_weights"), (stochastic_rounding, "stochastic_rounding"),
-                           (sharded, "sharded=True")):  # fmt: skip
-            if flag and kind == "fallback":
-                raise ValueError(f"{name} needs SGD, Adam or AdamW (the fused step); got {type(optimizer).__name__}")
-        if master_weights and stochastic_rounding:
-            raise ValueError("master_weights and stochastic_rounding exclude each other: choose one")
-        initialized = dist.is_available() and dist.is_initialized()
-        if process_group is not None and not initialized:
-            raise ValueError("process_group was given but torch.distributed is not initialized")
-        if not initialized and (sharded or wire_dtype != torch.float32):
-            raise ValueError("sharded=True and wire_dtype need torch.distributed: initialize it or pass process_group")
-        if sharded and intake == "grad":
-            raise ValueError(
-                "sharded=True needs intake='hooks': after a reduce-scatter each rank holds only its shard of the "
-                "window's gradient, so .grad could not show it whole"
-            )
-        params, groups = collect_params(optimizer)
-        mesh = self._check_fsdp(params, intake, sharded, process_group, wire_dtype)
-        devices = {p.device for p in params}
-        if len(devices) > 1:
-            raise ValueError(f"params on several devices ({sorted(map(str, devices))}) are not supported yet")
-
+        o = check_options(optimizer, accum_steps, normalize=normalize, max_grad_norm=max_grad_norm,
+                          master_weights=master_weights, stochastic_rounding=stochastic_rounding, seed=seed,
+                          intake=intake, bucket_cap_mb=bucket_cap_mb, process_group=process_group, sharded=sharded,
+                          wire_dtype=wire_dtype)  # fmt: skip
+        accum_steps, intake, params, mesh = o.accum_steps, o.intake, o.params, o.mesh
         # torch.optim.Optimizer's machinery (hooks, step patching), sharing the
         # wrapped optimizer's param_groups and state rather than copying them.
         self.optimizer = optimizer
@@ -159,16 +122,12 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
 
         self.accum_steps, self.normalize, self.max_grad_norm = accum_steps, normalize, max_grad_norm
         self.backend, self.stochastic_rounding, self.intake = backend, stochastic_rounding, intake
-        self.device = next(iter(devices)) if devices else torch.device("cpu")
-        # process_group None: the default group, looked up at each call (the
-        # wrapper does not keep the world group alive past destroy_process_group()).
-        self.process_group = mesh.get_group() if mesh is not None else process_group
-        self.world_size = dist.get_world_size(self.process_group) if initialized else 1
-        self.rank = dist.get_rank(self.process_group) if initialized else 0
+        self.device = o.device
+        self.process_group, self.world_size, self.rank = o.process_group, o.world_size, o.rank
         self.sharded = sharded and self.world_size > 1
         self._skip_nonfinite = skip_nonfinite
         self._signature = param_signature(optimizer)
-        self._layout = Layout(params, groups, self.device, bucket_cap_mb, self.world_size if self.sharded else 1,
+        self._layout = Layout(params, o.groups, self.device, bucket_cap_mb, self.world_size if self.sharded else 1,
                               local=_fsdp.local_tensor)  # fmt: skip
         self._window = Window(normalize, self.device, run_seed(seed, self.device, self.process_group, self.world_size))
         self._loss_scale = _amp.LossScale(grad_scaler, self.device)
@@ -180,11 +139,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                                                     wire_dtype, average=intake == "grad")  # fmt: skip
             if self.sharded:
                 self._layout.set_shards(lambda b: self._sync.shard(b.index))
-        self._ddp_watch = _distributed.DDPWatch(params, self._window) if initialized and mesh is None else None
-        world, rank = self.world_size, self.rank
+        self._ddp_watch = _distributed.DDPWatch(params, self._window) if o.initialized and mesh is None else None
         self._updater = Updater(optimizer, self._layout, master_weights=master_weights,
-                                stochastic_rounding=stochastic_rounding, backend=backend,
-                                stream_of=(lambda r: r.index * world + rank) if mesh is not None else (lambda r: r.index))  # fmt: skip
+                                stochastic_rounding=stochastic_rounding, backend=backend, sync=self._sync)  # fmt: skip
         self._updater.make_masters()
         self._intake = make_intake(
             intake, self._layout, self._window, backend=backend, skip_nonfinite=skip_nonfinite,
@@ -194,21 +151,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
 
     # ---- torch.optim.Optimizer interface -----------------------------------
 
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value):
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value):
-        self.optimizer.state = value
+    param_groups = property(lambda self: self.optimizer.param_groups,
+                            lambda self, value: setattr(self.optimizer, "param_groups", value))  # fmt: skip
+    state = property(lambda self: self.optimizer.state, lambda self, value: setattr(self.optimizer, "state", value))
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
@@ -260,12 +205,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._intake.flush()
         step_found_inf = window.end_micro_step(self._check_inf)
         self._loss_scale.next_micro_step()
-        scaler = self._loss_scale.scaler
-        if self.intake == "hooks" and _amp.is_enabled(scaler):
-            # Its update() after this call backs off on what it is told. Distributed:
-            # every rank's scaler sees the window's global flag at its end and none before.
-            told = step_found_inf if self._sync is None else torch.zeros(1, device=self.device)
-            _amp.report_found_inf(scaler, self, self.device, told)
+        if self.intake == "hooks":
+            _amp.report_micro_step(self._loss_scale.scaler, self, self.device, step_found_inf, self._sync is not None)
         window.stepped = ends_window
         if ends_window:
             self._end_window()
@@ -323,9 +264,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                                "cross-rank reduction: pass max_grad_norm= to the wrapper instead")  # fmt: skip
         self._intake.flush()
         # Reduced: params another rank touched hold gradient too (the others zeros).
-        records = list(self._layout) if sync is not None else self._touched_records()
-        norm = self._norm(self._window.normalization(pending=True), records)
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        records = list(self._layout) if sync is not None else self._layout.records_of(self._window.touched)
+        norm = self._updater.norm(records, self._window.normalization(pending=True))
+        coef = clip_coefficient(max_norm, norm)
         if self.intake == "grad":
             torch._foreach_mul_([r.buffer for r in records], coef)
         else:
@@ -361,18 +302,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         (the window then starts empty). Everything is checked before anything is
         written: a refused checkpoint leaves the wrapper as it was. Distributed:
         every rank loads its own, with the same world size."""
-        state_dict = dict(state_dict)
-        extra = state_dict.pop("accumkernels", None)
-        check_loadable(self, state_dict, extra)
-        self.optimizer.load_state_dict(state_dict)
-        load_fp32_state(self, state_dict)
-        self._window.clear()
-        if extra is not None:
-            self._layout.flat.copy_(extra["flat_buffer"])
-            self._window.load_state_dict(extra)
-        for r in self._layout:  # master weights: the checkpoint's, or the (already loaded) params'
-            if r.master is not None:
-                r.master.copy_(extra["master_weights"][r.index] if extra is not None else r.param_view())
+        _checkpoint.load(self, state_dict)
         self._intake.flush()
 
     # ---- internals -----------------------------------------------------------
@@ -382,61 +312,35 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         """Inf/NaN gradients skip the window: with a GradScaler (given or found) or skip_nonfinite."""
         return self._skip_nonfinite or self._loss_scale.scaler is not None
 
-    @staticmethod
-    def _check_fsdp(params, intake, sharded, process_group, wire_dtype):
-        """The FSDP2 mesh of DTensor params, or None for plain params."""
-        if not params or not _fsdp.is_sharded(params):
-            return None
-        if sharded or process_group is not None or wire_dtype != torch.float32:
-            raise ValueError("sharded=, process_group= and wire_dtype= are for plain params: FSDP2 shards and reduces "
-                             "the gradients of its DTensor params itself")  # fmt: skip
-        if intake == "grad":
-            raise ValueError("an FSDP2 model needs intake='hooks' (pass accum_steps=N; clip with max_grad_norm=): "
-                             "FSDP2 hands each micro-step's reduced shard over in .grad")  # fmt: skip
-        if _distributed.ddp_modules_holding(params):
-            raise ValueError("these params are both FSDP2-sharded and held by DistributedDataParallel: use one")
-        return _fsdp.mesh_of(params)
-
     def _refuse_during_reduction(self, what: str) -> None:
         if self._sync is not None and self._sync.started:
             raise RuntimeError(f"{what} between the window's last backward and step(): the buffers are being reduced "
                                "across ranks in place; call it before that backward or after step()")  # fmt: skip
-
-    def _touched_records(self):
-        return [self._layout.records[i] for i in sorted(self._window.touched)]
-
-    def _norm(self, scale, records=None) -> torch.Tensor:
-        """Global L2 norm of the window's gradient (in ``records``, default the
-        touched ones) times ``|scale|``."""
-        squared = self._updater.local_squared_norm(records if records is not None else self._touched_records())
-        if self._sync is not None:
-            squared = self._sync.squared_norm(squared)
-        return (squared.sqrt() * (scale.abs() if isinstance(scale, torch.Tensor) else abs(scale))).reshape(())
 
     def _end_window(self) -> None:
         window, scaler = self._window, self._loss_scale.scaler
         if self._ddp_watch is not None and window.windows == 0:
             self._ddp_watch.end_first_window()
         if self.intake == "grad" and self._check_inf:
-            _amp.check_exposed_window(self, scaler, [r.buffer for r in self._touched_records()], window.found_inf,
-                                      self.device)  # fmt: skip
+            buffers = [r.buffer for r in self._layout.records_of(window.touched)]
+            _amp.check_exposed_window(self, scaler, buffers, window.found_inf, self.device)
         if self._sync is not None:
-            found_inf, items, micro_steps = self._sync.end_window(self._check_inf)
+            found_inf, items, micro_steps = self._sync.end_window(self._check_inf)  # touched: over every rank
             if self.intake == "hooks" and _amp.is_enabled(scaler):
                 _amp.report_found_inf(scaler, self, self.device, found_inf)
-            total = {"sum": None, "mean": micro_steps, "items": items}[self.normalize]
-            grad_scale = window.divisor if total is None else (window.divisor / total).to(torch.float32)
+            grad_scale = window.global_normalization(items, micro_steps)
         else:
             found_inf, grad_scale = window.found_inf, window.normalization()
+        records = self._layout.records_of(window.touched)
         if self.max_grad_norm is not None:
-            window.last_grad_norm = self._norm(grad_scale)
-            window.combine_clip(torch.clamp(self.max_grad_norm / (window.last_grad_norm + 1e-6), max=1.0))
+            window.last_grad_norm = self._updater.norm(records, grad_scale)
+            window.combine_clip(clip_coefficient(self.max_grad_norm, window.last_grad_norm))
         if window.clip_coef is not None:
             grad_scale = window.clip_coef * grad_scale
         if isinstance(grad_scale, torch.Tensor):
             grad_scale = grad_scale.reshape(1).to(torch.float32)
-        self._updater.step(self._touched_records(), grad_scale, found_inf if self._check_inf else None,
-                           window.window_seed(), self._intake)  # fmt: skip
+        self._updater.step(records, grad_scale, found_inf if self._check_inf else None, window.window_seed(),
+                           self._intake)  # fmt: skip
         if self._sync is not None:
             self._sync.after_step()
         window.windows += 1

@@ -105,3 +105,72 @@ def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     lines = ["  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(row, widths))) for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def run_ranks(worker, what: str, device_type: str, quick: bool, world: int) -> tuple[str, list[dict]]:
+    """A multi-process benchmark: ``worker(rank, world, init_file, cfg, out)``
+    on ``world`` spawned processes (gloo on the CPU where there are fewer GPUs
+    than ranks), rank 0 saving its rows to ``out``; returns (device, rows)."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    if device_type == "cuda" and torch.cuda.device_count() < world:
+        print(f"  {torch.cuda.device_count()} GPU(s) for {world} ranks: the {what} runs on the CPU (gloo)")
+        device_type = "cpu"
+    cfg = dict(device=device_type, n_micro=4, micro_batch=4 if quick else 8, ctx=64, d=64 if quick else 256,
+               layers=2 if quick else 4, warmup=1, reps=3 if quick else 7,
+               threads=max(1, (os.cpu_count() or 2) // world))  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.pt")
+        mp.spawn(worker, args=(world, os.path.join(tmp, "init"), cfg, out), nprocs=world)
+        rows = torch.load(out, weights_only=False)
+    for r in rows:
+        r["device"] = device_type
+    return device_type, rows
+
+
+def init_rank(rank: int, world: int, init_file: str, cfg: dict) -> torch.device:
+    """A run_ranks worker's process group (nccl on one GPU a rank, else gloo
+    with cfg["threads"] threads a rank); returns its device."""
+    import torch.distributed as dist
+
+    cuda = cfg["device"] == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(cfg["threads"])
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    return torch.device("cuda", rank) if cuda else torch.device("cpu")
+
+
+def ranks_main(argv, doc: str, name: str, what: str, worker, columns) -> int:
+    """The command line of a multi-process benchmark (see run_ranks): runs it,
+    prints the table, writes the JSON."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if enough GPUs, else cpu)")
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--results-dir", default=None, help="default bench/results/local/")
+    args = parser.parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.device_count() >= args.world else "cpu")
+    print(f"{what}, {args.world} ranks on {device}, commit {git_commit()}")
+    device, rows = run_ranks(worker, what, device, args.quick, args.world)
+    print(table(rows, columns))
+    record = machine_record(torch.device(device))
+    path = write_results(f"{name}-{device}{'-quick' if args.quick else ''}",
+                         {"machine": record, "quick": args.quick, "rows": rows}, args.results_dir)  # fmt: skip
+    print(f"wrote {path}")
+    return 0
+
+
+def in_fresh_process(module: str, cfg: dict) -> dict:
+    """``python -m <module> --one <cfg as JSON>`` in a new process (so that its
+    peak memory is its own); its last stdout line, parsed as JSON."""
+    out = subprocess.run([sys.executable, "-m", module, "--one", json.dumps(cfg)], capture_output=True, text=True,
+                         timeout=900)  # fmt: skip
+    if out.returncode != 0:
+        raise RuntimeError(f"{module} --one {cfg} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])

@@ -23,15 +23,11 @@ rank.
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from accumkernels.testing import GPT, CollectiveCounter, exit_skipping_teardown
 
@@ -58,13 +54,7 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict, out: str) -> None:
 
     import accumkernels as ak
 
-    cuda = cfg["device"] == "cuda"
-    if cuda:
-        torch.cuda.set_device(rank)
-    else:
-        torch.set_num_threads(cfg["threads"])
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    device = common.init_rank(rank, world, init_file, cfg)
     n_micro, batch, ctx = cfg["n_micro"], cfg["micro_batch"], cfg["ctx"]
 
     def new_model(dtype):
@@ -169,42 +159,13 @@ def _ddp_loss(ddp, x, y):
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def run(device_type: str, quick: bool, world: int = 2) -> list[dict]:
-    if device_type == "cuda" and torch.cuda.device_count() < world:
-        print(f"  {torch.cuda.device_count()} GPU(s) for {world} ranks: the distributed benchmark runs on the CPU (gloo)")
-        device_type = "cpu"
-    cfg = dict(device=device_type, n_micro=4, micro_batch=4 if quick else 8, ctx=64, d=64 if quick else 256,
-               layers=2 if quick else 4, warmup=1, reps=3 if quick else 7,
-               threads=max(1, (os.cpu_count() or 2) // world))  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.pt")
-        mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), cfg, out), nprocs=world)
-        rows = torch.load(out, weights_only=False)
-    for r in rows:
-        r["device"] = device_type
-    return rows
-
-
 TABLE = [("path", "path", "s"), ("window_ms", "ms/window", ".1f"), ("payload_mib", "payload MiB", ".2f"),
          ("sent_mib", "sent MiB (ring)", ".2f"), ("state_mib_per_rank", "opt state MiB/rank", ".2f"),
          ("update_rel_error_vs_ours_allreduce", "update vs ours-allreduce", ".1e")]  # fmt: skip
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if enough GPUs, else cpu)")
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--results-dir", default=None)
-    args = parser.parse_args(argv)
-    device = args.device or ("cuda" if torch.cuda.device_count() >= args.world else "cpu")
-    rows = run(device, args.quick, args.world)
-    record = common.machine_record(torch.device(rows[0]["device"]))
-    name = f"distributed-{rows[0]['device']}{'-quick' if args.quick else ''}"
-    path = common.write_results(name, {"machine": record, "quick": args.quick, "rows": rows}, args.results_dir)
-    print(common.table(rows, TABLE))
-    print(f"wrote {path}")
-    return 0
+    return common.ranks_main(argv, __doc__, "distributed", "distributed benchmark", _worker, TABLE)
 
 
 if __name__ == "__main__":

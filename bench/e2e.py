@@ -36,11 +36,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import time
 
 import torch
+
+from . import common
 
 PATHS = ("plain-bf16", "plain-autocast", "ours-hooks", "ours-grad", "ours-master")
 PRECISION_PATHS = ("plain-bf16", "plain-autocast", "plain-fp32", "ours-hooks", "ours-grad")
@@ -221,15 +221,6 @@ def precision_suite(device: str, quick: bool, progress=print) -> list[dict]:
     return rows
 
 
-def measure(cfg: dict) -> dict:
-    """run_one in a fresh process (so that its peak memory is its own)."""
-    out = subprocess.run([sys.executable, "-m", "bench.e2e", "--one", json.dumps(cfg)], capture_output=True,
-                         text=True, timeout=900)  # fmt: skip
-    if out.returncode != 0:
-        raise RuntimeError(f"e2e measurement {cfg} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def windows_suite(device: str, quick: bool, progress=print) -> list[dict]:
     """Every path over model sizes and window lengths N."""
     sizes = ["gpt-d64"] if quick else list(SIZES)
@@ -239,7 +230,7 @@ def windows_suite(device: str, quick: bool, progress=print) -> list[dict]:
         for n in ns:
             for path in PATHS:
                 cfg = dict(device=device, path=path, model=model, n_micro=n, micro_batch=4, windows=2 if quick else 3)
-                rows.append(measure(cfg))
+                rows.append(common.in_fresh_process("bench.e2e", cfg))
                 r = rows[-1]
                 progress(f"  {model:9s} N={n:<3d} {path:15s} {r['window_ms']:9.1f} ms/window  peak {r['peak_mib']:8.1f} MiB"
                          f"  step {r['step_share'] * 100:5.1f} %")  # fmt: skip
@@ -256,7 +247,7 @@ def trade_suite(device: str, quick: bool, progress=print) -> list[dict]:
     for n in ns:
         for path in ("plain-autocast", "ours-hooks"):
             cfg = dict(device=device, path=path, model=model, n_micro=n, micro_batch=batch // n, windows=2)
-            rows.append(measure(cfg))
+            rows.append(common.in_fresh_process("bench.e2e", cfg))
             r = rows[-1]
             progress(f"  {model:9s} batch {batch} = {n:2d} x {batch // n:2d}  {path:15s} {r['window_ms']:9.1f} ms  "
                      f"peak {r['peak_mib']:8.1f} MiB")  # fmt: skip

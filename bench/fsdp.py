@@ -27,15 +27,11 @@ micro-batches).
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from accumkernels.testing import GPT, CollectiveCounter, exit_skipping_teardown
 
@@ -61,13 +57,7 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict, out: str) -> None:
 
     import accumkernels as ak
 
-    cuda = cfg["device"] == "cuda"
-    if cuda:
-        torch.cuda.set_device(rank)
-    else:
-        torch.set_num_threads(cfg["threads"])
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    device = common.init_rank(rank, world, init_file, cfg)
     mesh = init_device_mesh(device.type, (world,))
     n_micro, batch, ctx = cfg["n_micro"], cfg["micro_batch"], cfg["ctx"]
 
@@ -128,7 +118,7 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict, out: str) -> None:
         opt.step()  # the window's last step() (the wrapper's) or the plain step
         opt.zero_grad()
         # Per-rank peak memory of window 1 (state exists now), with its parts.
-        if cuda:
+        if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
@@ -191,22 +181,6 @@ def _fsdp_params(model):
                 yield from group.fsdp_params
 
 
-def run(device_type: str, quick: bool, world: int = 2) -> list[dict]:
-    if device_type == "cuda" and torch.cuda.device_count() < world:
-        print(f"  {torch.cuda.device_count()} GPU(s) for {world} ranks: the FSDP2 benchmark runs on the CPU (gloo)")
-        device_type = "cpu"
-    cfg = dict(device=device_type, n_micro=4, micro_batch=4 if quick else 8, ctx=64, d=64 if quick else 256,
-               layers=2 if quick else 4, warmup=1, reps=3 if quick else 7,
-               threads=max(1, (os.cpu_count() or 2) // world))  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.pt")
-        mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), cfg, out), nprocs=world)
-        rows = torch.load(out, weights_only=False)
-    for r in rows:
-        r["device"] = device_type
-    return rows
-
-
 TABLE = [("path", "path", "s"), ("window_ms", "ms/window", ".1f"), ("sent_mib", "sent MiB/rank (ring)", ".2f"),
          ("peak_mib_per_rank", "peak MiB/rank", ".1f"), ("state_mib_per_rank", "opt state MiB/rank", ".2f"),
          ("buffers_mib_per_rank", "fp32 buffers MiB/rank", ".2f"),
@@ -215,21 +189,7 @@ TABLE = [("path", "path", "s"), ("window_ms", "ms/window", ".1f"), ("sent_mib", 
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if enough GPUs, else cpu)")
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--results-dir", default=None, help="default bench/results/local/")
-    args = parser.parse_args(argv)
-    device = args.device or ("cuda" if torch.cuda.device_count() >= args.world else "cpu")
-    record = common.machine_record(torch.device(device))
-    print(f"FSDP2 accumulation, {args.world} ranks on {device}, commit {record['commit']}")
-    rows = run(device, args.quick, args.world)
-    print(common.table(rows, TABLE))
-    path = common.write_results(f"fsdp-{device}{'-quick' if args.quick else ''}",
-                                {"machine": record, "quick": args.quick, "rows": rows}, args.results_dir)  # fmt: skip
-    print(f"wrote {path}")
-    return 0
+    return common.ranks_main(argv, __doc__, "fsdp", "FSDP2 benchmark", _worker, TABLE)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import time
 
 import torch
@@ -74,14 +72,6 @@ def measure(cfg: dict) -> dict:
     return {**cfg, "measured_peak": peak}
 
 
-def measure_in_fresh_process(cfg: dict) -> dict:
-    out = subprocess.run([sys.executable, "-m", "bench.plan", "--one", json.dumps(cfg)], capture_output=True,
-                         text=True, timeout=900)  # fmt: skip
-    if out.returncode != 0:
-        raise RuntimeError(f"measurement {cfg} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def run(device: torch.device, models: list[str], global_batch: int, budgets: dict[str, str], progress=print) -> dict:
     import accumkernels as ak
 
@@ -107,7 +97,8 @@ def run(device: torch.device, models: list[str], global_batch: int, budgets: dic
             steps = -(-global_batch // micro)
             predicted = (sum(v for k, v in plan.breakdown.items() if not k.startswith(("activations", "margin")))
                          + plan.fit["a"] + plan.fit["c"] * micro)  # fmt: skip
-            r = measure_in_fresh_process(dict(device=str(device), model=name, micro_batch=micro, accum_steps=steps))
+            cfg = dict(device=str(device), model=name, micro_batch=micro, accum_steps=steps)
+            r = common.in_fresh_process("bench.plan", cfg)
             r.update(predicted_peak=predicted, chosen=micro == plan.micro_batch_size, budget=plan.budget_bytes)
             r["error"] = r["predicted_peak"] / r["measured_peak"] - 1
             rows.append(r)

@@ -12,7 +12,6 @@ scheduler is built on the optimizer the framework receives.
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import os
 import sys

@@ -86,18 +86,11 @@ def test_found_inf(backend, dtype, bad):
     assert found_inf.item() == 1.0, "a later clean call must not clear the flag"
 
 
-def test_subnormal_and_extreme_fp16(backend):
-    # Every fp16 bit pattern: exact conversion, including subnormals, inf and NaN.
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_every_16_bit_pattern(backend, dtype):
+    # Every bit pattern: exact conversion, including subnormals, inf and NaN.
     bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
-    grad = bits.view(torch.float16)
-    buffer = torch.zeros(grad.numel())
-    ak.accumulate_([buffer], [grad], overwrite=True, backend=backend)
-    torch.testing.assert_close(buffer, grad.float(), equal_nan=True, rtol=0, atol=0)
-
-
-def test_every_bf16_pattern(backend):
-    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
-    grad = bits.view(torch.bfloat16)
+    grad = bits.view(dtype)
     buffer = torch.zeros(grad.numel())
     ak.accumulate_([buffer], [grad], overwrite=True, backend=backend)
     torch.testing.assert_close(buffer, grad.float(), equal_nan=True, rtol=0, atol=0)

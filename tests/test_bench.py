@@ -10,12 +10,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_kernel_benchmark_quick_mode(native_only, tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.kernels", "--quick", "--device", "cpu", "--results-dir", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+def _quick_run(module: str, results: Path) -> subprocess.CompletedProcess:
+    """`python -m <module> --quick --device cpu`, which must succeed."""
+    out = subprocess.run([sys.executable, "-m", module, "--quick", "--device", "cpu", "--results-dir", str(results)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def test_kernel_benchmark_quick_mode(native_only, tmp_path):
+    out = _quick_run("bench.kernels", tmp_path)
     result = json.loads((tmp_path / "kernels-cpu-quick.json").read_text())
     keys = {r["key"] for r in result["rows"]}
     assert {"ceiling", "accumulate_bf16[cpu]", "list512[cpu]", "adamw[cpu]", "adamw_torch_fused"} <= keys
@@ -30,11 +34,7 @@ def test_kernel_benchmark_quick_mode(native_only, tmp_path):
 def test_suite_quick_mode(native_only, tmp_path):
     """`python -m bench.run --quick`: kernels, size sweep, training windows,
     the batch/micro-batch trade, JSON and plots, in about a minute."""
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.run", "--quick", "--device", "cpu", "--results-dir", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = _quick_run("bench.run", tmp_path)
     result = json.loads((tmp_path / "suite-cpu-quick.json").read_text())
     assert {r["path"] for r in result["windows"]} == {"plain-bf16", "plain-autocast", "ours-hooks", "ours-grad",
                                                       "ours-master"}  # fmt: skip

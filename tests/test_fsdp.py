@@ -9,7 +9,6 @@ the per-rank buffer memory, measured; refusals."""
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.distributed as dist
 
 import fsdp_worker as worker

@@ -86,13 +86,14 @@ def test_prediction_against_a_fresh_process(name, budget):
     """The chosen plan, trained in a fresh process (a window and the first
     micro-step of the next): its measured peak is within 10 % of the
     prediction and within the budget."""
+    from bench import common
     from bench import plan as bench_plan
 
     model = bench_plan._model(name, torch.device("cpu"))
     plan = ak.plan_window(model, bench_plan._loss_fn, global_batch=96, memory_budget=budget,
                           optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))  # fmt: skip
-    measured = bench_plan.measure_in_fresh_process(dict(device="cpu", model=name, micro_batch=plan.micro_batch_size,
-                                                        accum_steps=plan.accum_steps))["measured_peak"]  # fmt: skip
+    cfg = dict(device="cpu", model=name, micro_batch=plan.micro_batch_size, accum_steps=plan.accum_steps)
+    measured = common.in_fresh_process("bench.plan", cfg)["measured_peak"]
     predicted_without_margin = plan.predicted_peak_bytes - plan.breakdown["margin"]
     assert abs(predicted_without_margin / measured - 1) <= 0.10, (predicted_without_margin, measured)
     assert measured <= plan.budget_bytes

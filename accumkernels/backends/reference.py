@@ -63,16 +63,20 @@ def _weights(param, master):
 _M32 = 0xFFFFFFFF
 
 
-def sr_random(seed: int, stream: int, index: torch.Tensor) -> torch.Tensor:
-    """formulas.h's sr_random with int64 tensor ops kept to 32 bits."""
-    x = ((index & _M32) * 0x9E3779B1) & _M32
-    x = x ^ ((((index >> 32) & _M32) * 0x85EBCA77) & _M32)
-    x = x ^ (((seed & _M32) * 0xC2B2AE3D) & _M32)
-    x = x ^ (((stream & _M32) * 0x27D4EB2F) & _M32)
+def sr_random(seed, stream, index):
+    """formulas.h's sr_random: a murmur3-style hash of the seed, the tensor's
+    stream id and the element's index in its memory order, in int64 arithmetic
+    kept to 32 bits (the low 32 bits of a product do not depend on the high
+    bits). Operators only, so that the same function serves torch tensors here
+    and Triton blocks (triton/_formulas.py compiles it)."""
+    x = ((index & 0xFFFFFFFF) * 0x9E3779B1) & 0xFFFFFFFF
+    x = x ^ ((((index >> 32) & 0xFFFFFFFF) * 0x85EBCA77) & 0xFFFFFFFF)
+    x = x ^ (((seed & 0xFFFFFFFF) * 0xC2B2AE3D) & 0xFFFFFFFF)
+    x = x ^ (((stream & 0xFFFFFFFF) * 0x27D4EB2F) & 0xFFFFFFFF)
     x = x ^ (x >> 16)
-    x = (x * 0x85EBCA6B) & _M32
+    x = (x * 0x85EBCA6B) & 0xFFFFFFFF
     x = x ^ (x >> 13)
-    x = (x * 0xC2B2AE35) & _M32
+    x = (x * 0xC2B2AE35) & 0xFFFFFFFF
     return x ^ (x >> 16)
 
 

@@ -153,3 +153,90 @@ def to_storage(x, dtype: tl.constexpr):
         return f.float_to_bf16(x)
     else:
         return x.to(dtype)
+
+
+# ---- the step families (SGD, Adam/AdamW) --------------------------------------
+
+
+def param_dtype_launches(params: list[torch.Tensor], lists: list[list[torch.Tensor]], positions: list[int]):
+    """Per storage dtype of ``params``: (dtype, table, T, C, aligned) over that
+    dtype's non-empty params, for ``lists`` (per-param lists; an empty list
+    gives null pointers) and stream ids ``positions`` (default: list index)."""
+    device = params[0].device
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        index = [i for i, p in enumerate(params) if p.dtype == dtype and p.numel() > 0]
+        if not index:
+            continue
+        picked = [[lst[i] for i in index] if lst else [None] * len(index) for lst in lists]
+        streams = [positions[i] if positions else i for i in index]
+        yield (dtype, *launch_table(picked, [params[i].numel() for i in index], device, streams))
+
+
+def step_flags(dtype: torch.dtype, master_params: list, stochastic_rounding: bool, grad_scale_tensor, found_inf,
+               zero_buffers: bool, aligned: bool) -> dict:  # fmt: skip
+    """The compile-time flags every step kernel takes, and the launch options."""
+    return dict(PARAM_DTYPE=TL_DTYPES[dtype], HAS_MASTER=bool(master_params),
+                STOCHASTIC=stochastic_rounding and dtype == torch.bfloat16,
+                HAS_GRAD_SCALE_TENSOR=grad_scale_tensor is not None, HAS_FOUND_INF=found_inf is not None,
+                ZERO_BUFFERS=zero_buffers, ALIGNED=aligned, CHUNK=CHUNK, BLOCK=BLOCK, **OPTIONS)  # fmt: skip
+
+
+@triton.jit
+def load_weight(param, master, offs, mask, PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr,
+                MASKED: tl.constexpr):  # fmt: skip
+    """The fp32 weight: the master copy where there is one, else the param."""
+    if HAS_MASTER:
+        return load_f32(master, offs, mask, tl.float32, MASKED)
+    else:
+        return load_f32(param, offs, mask, PARAM_DTYPE, MASKED)
+
+
+@triton.jit
+def store_weight(param, master, offs, w, mask, seed, stream, PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr,
+                 STOCHASTIC: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """The updated weight to the master copy (fp32) and the param (its dtype;
+    bf16 stochastically rounded where STOCHASTIC)."""
+    if HAS_MASTER:
+        store(master, offs, w, mask, MASKED)
+    if STOCHASTIC:
+        store(param, offs, f.float_to_bf16_stochastic(w, f.sr_random(seed, stream, offs)), mask, MASKED)
+    else:
+        store(param, offs, to_storage(w, PARAM_DTYPE), mask, MASKED)
+
+
+@triton.jit
+def step_chunk(block: tl.constexpr, ptrs, hp, buffer, start, n, grad_scale, grad_scale_ptr, found_inf_ptr, seed,
+               stream, PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, STOCHASTIC: tl.constexpr,
+               VARIANT: tl.constexpr, HAS_GRAD_SCALE_TENSOR: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
+               ZERO_BUFFERS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """One step family's update over this program's chunk, BLOCK elements at a
+    time: ``block(ptrs, hp, offs, n, g_scale, seed, stream, PARAM_DTYPE,
+    HAS_MASTER, STOCHASTIC, VARIANT, MASKED)``, then buffer = 0. VARIANT is the
+    family's inner-loop variant (Adam: amsgrad; SGD: the momentum mode). The
+    update's scale is grad_scale (times *grad_scale_ptr); a window with
+    *found_inf != 0 is skipped but still clears its buffers."""
+    gs = grad_scale
+    if HAS_GRAD_SCALE_TENSOR:
+        gs = grad_scale * tl.load(grad_scale_ptr)
+    seed64 = seed.to(tl.int64) & 0xFFFFFFFF
+    skip = False
+    if HAS_FOUND_INF:
+        skip = tl.load(found_inf_ptr) != 0.0
+    zeros = tl.zeros((BLOCK,), tl.float32)
+    if skip:
+        if ZERO_BUFFERS:
+            for i in range(0, CHUNK, BLOCK):
+                offs = start + i + tl.arange(0, BLOCK).to(tl.int64)
+                tl.store(buffer + offs, zeros, mask=offs < n)
+    elif start + CHUNK <= n:  # a full chunk: no masks, vector accesses where ALIGNED
+        for i in range(0, CHUNK, BLOCK):
+            offs = start + i + tl.arange(0, BLOCK).to(tl.int64)
+            block(ptrs, hp, offs, n, gs, seed64, stream, PARAM_DTYPE, HAS_MASTER, STOCHASTIC, VARIANT, False)
+            if ZERO_BUFFERS:
+                tl.store(buffer + offs, zeros)
+    else:
+        for i in range(0, CHUNK, BLOCK):
+            offs = start + i + tl.arange(0, BLOCK).to(tl.int64)
+            block(ptrs, hp, offs, n, gs, seed64, stream, PARAM_DTYPE, HAS_MASTER, STOCHASTIC, VARIANT, True)
+            if ZERO_BUFFERS:
+                tl.store(buffer + offs, zeros, mask=offs < n)

@@ -6,8 +6,12 @@ uses uint32_t."""
 
 from __future__ import annotations
 
+import types
+
 import triton
 import triton.language as tl
+
+from .. import reference
 
 # ---- conversions ------------------------------------------------------------
 # bf16 by integer ops: the interpreter's own bf16 casts truncate and mishandle
@@ -29,22 +33,10 @@ def float_to_bf16(x):
     return tl.where(is_nan, (u >> 16) | 0x40, rounded).to(tl.uint16)
 
 
-@triton.jit
-def sr_random(seed, stream, index):
-    """The random bits of stochastic rounding: a murmur3-style hash of the seed,
-    the tensor's stream id and the element's index in its memory order (int64
-    arithmetic kept to 32 bits: the low 32 bits of a product do not depend on
-    the high bits)."""
-    m = 0xFFFFFFFF
-    x = ((index & m) * 0x9E3779B1) & m
-    x = x ^ ((((index >> 32) & m) * 0x85EBCA77) & m)
-    x = x ^ (((seed & m) * 0xC2B2AE3D) & m)
-    x = x ^ (((stream & m) * 0x27D4EB2F) & m)
-    x = x ^ (x >> 16)
-    x = (x * 0x85EBCA6B) & m
-    x = x ^ (x >> 13)
-    x = (x * 0xC2B2AE35) & m
-    return x ^ (x >> 16)
+# The random bits of stochastic rounding: the reference's hash (operators
+# only), compiled as is; Triton looks up the names a jit function uses in its
+# globals, so it gets this module's.
+sr_random = triton.jit(types.FunctionType(reference.sr_random.__code__, globals(), "sr_random"))
 
 
 @triton.jit

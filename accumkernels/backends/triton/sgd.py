@@ -15,16 +15,13 @@ LISTS = tl.constexpr(4)
 
 
 @triton.jit
-def _sgd_block(param, master, buffer, mom, offs, n, gs, lr, momentum, one_minus_dampening, weight_decay, nesterov,
-               has_weight_decay, seed, stream, PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr,
-               STOCHASTIC: tl.constexpr, MOMENTUM: tl.constexpr, ZERO_BUFFERS: tl.constexpr,
-               MASKED: tl.constexpr):  # fmt: skip
+def _sgd_block(ptrs, hp, offs, n, gs, seed, stream, PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr,
+               STOCHASTIC: tl.constexpr, MOMENTUM: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    param, master, buffer, mom = ptrs
+    lr, momentum, one_minus_dampening, weight_decay, nesterov, has_weight_decay = hp
     mask = offs < n
     g = gs * c.load_f32(buffer, offs, mask, tl.float32, MASKED)
-    if HAS_MASTER:
-        w = c.load_f32(master, offs, mask, tl.float32, MASKED)
-    else:
-        w = c.load_f32(param, offs, mask, PARAM_DTYPE, MASKED)
+    w = c.load_weight(param, master, offs, mask, PARAM_DTYPE, HAS_MASTER, MASKED)
     b = tl.zeros_like(g)
     if MOMENTUM == f.RUNNING:
         b = c.load_f32(mom, offs, mask, tl.float32, MASKED)
@@ -32,14 +29,7 @@ def _sgd_block(param, master, buffer, mom, offs, n, gs, lr, momentum, one_minus_
                         MOMENTUM)  # fmt: skip
     if MOMENTUM != f.NO_MOMENTUM:
         c.store(mom, offs, b, mask, MASKED)
-    if HAS_MASTER:
-        c.store(master, offs, w, mask, MASKED)
-    if STOCHASTIC:
-        c.store(param, offs, f.float_to_bf16_stochastic(w, f.sr_random(seed, stream, offs)), mask, MASKED)
-    else:
-        c.store(param, offs, c.to_storage(w, PARAM_DTYPE), mask, MASKED)
-    if ZERO_BUFFERS:
-        c.store(buffer, offs, tl.zeros_like(g), mask, MASKED)
+    c.store_weight(param, master, offs, w, mask, seed, stream, PARAM_DTYPE, HAS_MASTER, STOCHASTIC, MASKED)
 
 
 @triton.jit(do_not_specialize=["T", "C", "seed"])
@@ -49,35 +39,12 @@ def _sgd_kernel(table, T, C, lr, momentum, one_minus_dampening, weight_decay, ne
                 HAS_FOUND_INF: tl.constexpr, ZERO_BUFFERS: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr,
                 BLOCK: tl.constexpr):  # fmt: skip
     t, start, n = c.chunk_of(table, LISTS, T, C, CHUNK, ALIGNED)
-    param = c.pointer(table, 0, T, t, PARAM_DTYPE, ALIGNED)
-    master = c.pointer(table, 1, T, t, tl.float32, ALIGNED)
-    buffer = c.pointer(table, 2, T, t, tl.float32, ALIGNED)
-    mom = c.pointer(table, 3, T, t, tl.float32, ALIGNED)
-    stream = c.stream_of(table, LISTS, T, t)
-    seed64 = seed.to(tl.int64) & 0xFFFFFFFF
-    gs = grad_scale
-    if HAS_GRAD_SCALE_TENSOR:
-        gs = grad_scale * tl.load(grad_scale_ptr)
-    skip = False
-    if HAS_FOUND_INF:
-        skip = tl.load(found_inf_ptr) != 0.0
-    if skip:  # a skipped window still clears its buffers
-        if ZERO_BUFFERS:
-            for i in range(0, CHUNK, BLOCK):
-                offs = start + i + tl.arange(0, BLOCK).to(tl.int64)
-                tl.store(buffer + offs, tl.zeros((BLOCK,), tl.float32), mask=offs < n)
-    elif start + CHUNK <= n:  # a full chunk: no masks, vector accesses where ALIGNED
-        for i in range(0, CHUNK, BLOCK):
-            offs = start + i + tl.arange(0, BLOCK).to(tl.int64)
-            _sgd_block(param, master, buffer, mom, offs, n, gs, lr, momentum, one_minus_dampening, weight_decay,
-                       nesterov, has_weight_decay, seed64, stream, PARAM_DTYPE, HAS_MASTER, STOCHASTIC, MOMENTUM,
-                       ZERO_BUFFERS, False)  # fmt: skip
-    else:
-        for i in range(0, CHUNK, BLOCK):
-            offs = start + i + tl.arange(0, BLOCK).to(tl.int64)
-            _sgd_block(param, master, buffer, mom, offs, n, gs, lr, momentum, one_minus_dampening, weight_decay,
-                       nesterov, has_weight_decay, seed64, stream, PARAM_DTYPE, HAS_MASTER, STOCHASTIC, MOMENTUM,
-                       ZERO_BUFFERS, True)  # fmt: skip
+    ptrs = (c.pointer(table, 0, T, t, PARAM_DTYPE, ALIGNED), c.pointer(table, 1, T, t, tl.float32, ALIGNED),
+            c.pointer(table, 2, T, t, tl.float32, ALIGNED), c.pointer(table, 3, T, t, tl.float32, ALIGNED))
+    hp = (lr, momentum, one_minus_dampening, weight_decay, nesterov, has_weight_decay)
+    c.step_chunk(_sgd_block, ptrs, hp, ptrs[2], start, n, grad_scale, grad_scale_ptr, found_inf_ptr, seed,
+                 c.stream_of(table, LISTS, T, t), PARAM_DTYPE, HAS_MASTER, STOCHASTIC, MOMENTUM,
+                 HAS_GRAD_SCALE_TENSOR, HAS_FOUND_INF, ZERO_BUFFERS, CHUNK, BLOCK)  # fmt: skip
 
 
 def momentum_mode(momentum: float, is_first_step: bool) -> int:
@@ -94,24 +61,14 @@ def sgd_step_and_zero_(params: list[torch.Tensor], buffers: list[torch.Tensor], 
                        grad_scale_tensor: torch.Tensor | None, found_inf: torch.Tensor | None, zero_buffers: bool,
                        stochastic_rounding: bool, seed: int, positions: list[int]) -> None:  # fmt: skip
     """torch.optim.SGD's update with g = grad_scale * buffer, then buffer = 0."""
-    device = params[0].device
-    with c.device_guard(device):
-        for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            index = [i for i, p in enumerate(params) if p.dtype == dtype and p.numel() > 0]
-            if not index:
-                continue
-            pick = lambda lst: [lst[i] for i in index] if lst else [None] * len(index)  # noqa: E731
-            table, count, chunks, aligned = c.launch_table(
-                [pick(params), pick(master_params), pick(buffers), pick(momentum_buffers)],
-                [params[i].numel() for i in index], device, [positions[i] if positions else i for i in index],
-            )  # fmt: skip
+    with c.device_guard(params[0].device):
+        lists = [params, master_params, buffers, momentum_buffers]
+        for dtype, table, count, chunks, aligned in c.param_dtype_launches(params, lists, positions):
             _sgd_kernel[(chunks,)](
                 table, count, chunks, lr, momentum, 1.0 - dampening, weight_decay, nesterov, weight_decay != 0,
-                grad_scale, grad_scale_tensor, found_inf, c.seed_argument(seed), PARAM_DTYPE=c.TL_DTYPES[dtype],
-                HAS_MASTER=bool(master_params), STOCHASTIC=stochastic_rounding and dtype == torch.bfloat16,
-                MOMENTUM=momentum_mode(momentum, is_first_step), HAS_GRAD_SCALE_TENSOR=grad_scale_tensor is not None,
-                HAS_FOUND_INF=found_inf is not None, ZERO_BUFFERS=zero_buffers, ALIGNED=aligned, CHUNK=c.CHUNK,
-                BLOCK=c.BLOCK, **c.OPTIONS,
+                grad_scale, grad_scale_tensor, found_inf, c.seed_argument(seed),
+                MOMENTUM=momentum_mode(momentum, is_first_step), **c.step_flags(dtype, master_params,
+                stochastic_rounding, grad_scale_tensor, found_inf, zero_buffers, aligned),
             )  # fmt: skip
 
 

@@ -1,0 +1,94 @@
+"""The wrapper's constructor arguments, checked before anything is built: a
+refused combination raises naming the argument and what to pass instead, and
+leaves the optimizer and its params untouched."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from . import _distributed, _fsdp
+from ._intake import INTAKES
+from ._layout import collect_params
+from ._update import optimizer_kind
+from ._window import NORMALIZE
+
+
+class Options(NamedTuple):
+    accum_steps: int | None
+    intake: str
+    params: list
+    groups: list
+    device: torch.device
+    mesh: object  # the FSDP2 mesh of DTensor params, else None
+    initialized: bool  # torch.distributed
+    # None: the default group, looked up at each call (the wrapper does not
+    # keep the world group alive past destroy_process_group()).
+    process_group: object
+    world_size: int
+    rank: int
+
+
+def check_options(optimizer, accum_steps, *, normalize, max_grad_norm, master_weights, stochastic_rounding, seed,
+                  intake, bucket_cap_mb, process_group, sharded, wire_dtype) -> Options:  # fmt: skip
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
+    accum_steps = getattr(accum_steps, "accum_steps", accum_steps)  # a WindowPlan gives its own
+    if accum_steps is not None and (isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1):
+        raise ValueError(f"accum_steps must be None or an int >= 1; got {accum_steps!r}")
+    if normalize not in NORMALIZE:
+        raise ValueError(f"normalize must be one of {NORMALIZE}; got {normalize!r}")
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm must be > 0; got {max_grad_norm!r}")
+    if bucket_cap_mb <= 0:
+        raise ValueError(f"bucket_cap_mb must be > 0; got {bucket_cap_mb!r}")
+    if wire_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"wire_dtype must be torch.float32 or torch.bfloat16; got {wire_dtype!r}")
+    intake = intake or ("grad" if accum_steps is None else "hooks")
+    if intake not in INTAKES:
+        raise ValueError(f"intake must be None or one of {INTAKES}; got {intake!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32):
+        raise ValueError(f"seed must be None or an int in [0, 2**32); got {seed!r}")
+    for flag, name in ((master_weights, "master_weights"), (stochastic_rounding, "stochastic_rounding"),
+                       (sharded, "sharded=True")):  # fmt: skip
+        if flag and optimizer_kind(optimizer) == "fallback":
+            raise ValueError(f"{name} needs SGD, Adam or AdamW (the fused step); got {type(optimizer).__name__}")
+    if master_weights and stochastic_rounding:
+        raise ValueError("master_weights and stochastic_rounding exclude each other: choose one")
+    initialized = dist.is_available() and dist.is_initialized()
+    if process_group is not None and not initialized:
+        raise ValueError("process_group was given but torch.distributed is not initialized")
+    if not initialized and (sharded or wire_dtype != torch.float32):
+        raise ValueError("sharded=True and wire_dtype need torch.distributed: initialize it or pass process_group")
+    if sharded and intake == "grad":
+        raise ValueError(
+            "sharded=True needs intake='hooks': after a reduce-scatter each rank holds only its shard of the "
+            "window's gradient, so .grad could not show it whole"
+        )
+    params, groups = collect_params(optimizer)
+    mesh = _fsdp_mesh(params, intake, sharded, process_group, wire_dtype)
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(f"params on several devices ({sorted(map(str, devices))}) are not supported yet")
+    device = next(iter(devices)) if devices else torch.device("cpu")
+    group = mesh.get_group() if mesh is not None else process_group
+    world_size = dist.get_world_size(group) if initialized else 1
+    rank = dist.get_rank(group) if initialized else 0
+    return Options(accum_steps, intake, params, groups, device, mesh, initialized, group, world_size, rank)
+
+
+def _fsdp_mesh(params, intake, sharded, process_group, wire_dtype):
+    """The FSDP2 mesh of DTensor params, or None for plain params."""
+    if not params or not _fsdp.is_sharded(params):
+        return None
+    if sharded or process_group is not None or wire_dtype != torch.float32:
+        raise ValueError("sharded=, process_group= and wire_dtype= are for plain params: FSDP2 shards and reduces "
+                         "the gradients of its DTensor params itself")  # fmt: skip
+    if intake == "grad":
+        raise ValueError("an FSDP2 model needs intake='hooks' (pass accum_steps=N; clip with max_grad_norm=): "
+                         "FSDP2 hands each micro-step's reduced shard over in .grad")  # fmt: skip
+    if _distributed.ddp_modules_holding(params):
+        raise ValueError("these params are both FSDP2-sharded and held by DistributedDataParallel: use one")
+    return _fsdp.mesh_of(params)
