@@ -20,7 +20,7 @@ TRANSFORMERS4 ?= transformers==4.57.6
 PY     := $(VENV)/bin/python
 NATIVE_SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
 
-.PHONY: test bench build clean
+.PHONY: test bench build clean gpu-deps
 
 $(VENV)/.deps:
 	@echo "== setting up $(VENV): $(TORCH) (a CUDA build is ~5.5 GB), ninja, pytest, numpy, matplotlib; 1-3 minutes"
@@ -46,6 +46,13 @@ test: build
 
 bench: build
 	$(PY) -m bench.run
+
+# For a GPU machine without network (bench/gpu_check.sh; carry .gpu-deps): pytest,
+# and a setuptools that reads pyproject.toml's SPDX license (>= 77).
+gpu-deps:
+	rm -rf .gpu-deps
+	$(PY) -m pip install --quiet --no-deps --target .gpu-deps pytest pluggy iniconfig packaging exceptiongroup \
+		tomli "setuptools>=77"
 
 clean:
 	rm -rf build *.egg-info accumkernels/_C*.so $(VENV)/.built

@@ -44,11 +44,14 @@ from . import common
 
 PATHS = ("plain-bf16", "plain-autocast", "ours-hooks", "ours-grad", "ours-master")
 PRECISION_PATHS = ("plain-bf16", "plain-autocast", "plain-fp32", "ours-hooks", "ours-grad")
-SIZES = {  # name: (d_model, layers); small enough for the default run to fit in minutes on 2 cores
+SIZES = {  # name: (d_model, layers)
     "gpt-d64": (64, 2),
     "gpt-d128": (128, 2),
     "gpt-d256": (256, 2),
+    "gpt-d1024": (1024, 8),  # GPU only: 100M params
 }
+# The suite's models: small enough for the CPU run to fit in minutes on 2 cores.
+SUITE_SIZES = {"cpu": ["gpt-d64", "gpt-d128", "gpt-d256"], "cuda": ["gpt-d64", "gpt-d256", "gpt-d1024"]}
 VOCAB = 256
 
 
@@ -221,10 +224,10 @@ def precision_suite(device: str, quick: bool, progress=print) -> list[dict]:
     return rows
 
 
-def windows_suite(device: str, quick: bool, progress=print) -> list[dict]:
+def windows_suite(device: str, quick: bool, progress=print, sizes=None, ns=None) -> list[dict]:
     """Every path over model sizes and window lengths N."""
-    sizes = ["gpt-d64"] if quick else list(SIZES)
-    ns = [1, 4] if quick else [1, 2, 4, 8]
+    sizes = sizes or (["gpt-d64"] if quick else SUITE_SIZES[device])
+    ns = ns or ([1, 4] if quick else [1, 2, 4, 8])
     rows = []
     for model in sizes:
         for n in ns:
@@ -254,15 +257,32 @@ def trade_suite(device: str, quick: bool, progress=print) -> list[dict]:
     return rows
 
 
+WINDOWS_TABLE = [("model", "model", "s"), ("n_micro", "N", "d"), ("path", "path", "s"),
+                 ("window_ms", "ms/window", ".1f"), ("peak_mib", "peak MiB", ".1f"), ("step_share", "step share", ".3f")]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--one", help="internal: run one measurement (a JSON config) and print its result")
+    parser.add_argument("--windows", action="store_true", help="only the training windows (the suite: bench.run)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present, else cpu)")
+    parser.add_argument("--models", default=None, help=f"comma-separated, of {', '.join(SIZES)}")
+    parser.add_argument("--ns", default=None, help="comma-separated window lengths N")
+    parser.add_argument("--results-dir", default=None, help="default bench/results/local/")
     args = parser.parse_args(argv)
     if args.one:
         print(json.dumps(run_one(json.loads(args.one))))
         return 0
-    parser.error("run the suite through `python -m bench.run`; --one is for its subprocesses")
-    return 2
+    if not args.windows:
+        parser.error("the suite runs through `python -m bench.run`; here: --windows, or --one (its subprocesses)")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    record = common.machine_record(device)
+    print(f"training windows on {device}, commit {record['commit']}")
+    rows = windows_suite(device.type, False, sizes=args.models and args.models.split(","),
+                         ns=args.ns and [int(n) for n in args.ns.split(",")])  # fmt: skip
+    print(common.table(rows, WINDOWS_TABLE))
+    print(f"wrote {common.write_results(f'windows-{device.type}', {'machine': record, 'rows': rows}, args.results_dir)}")
+    return 0
 
 
 if __name__ == "__main__":

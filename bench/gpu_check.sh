@@ -1,49 +1,78 @@
 #!/usr/bin/env bash
-# The GPU check, for a fresh GPU machine that has torch, nvcc and ninja but no
-# network: build the extension for the GPU present, run the tests (the CUDA
-# ones included), run the kernel benchmark, print its tables last. Logs and
-# the results file go to $OUT (default bench/results/gpu-check). Fits in about
-# 8 minutes on one H200 with 16 cores.
+# The GPU run, as one call on a fresh GPU machine that has torch, triton, nvcc
+# and ninja but no network:
+#
+#   make gpu-deps                      # here, once: pytest into .gpu-deps/
+#   OUT=... bash bench/gpu_check.sh    # there, carrying .gpu-deps
+#
+# In order, each step with its own time limit so that a hang costs one step:
+#   1. build for the GPU present (a CPU-only build is refused: ACCUMKERNELS_REQUIRE_CUDA=1)
+#   2. the GPU tests: CUDA kernels and Triton on the GPU, every Triton variant
+#      compiled, recompiles, the CUDA-vs-Triton-vs-reference parity
+#   3. the numeric and wrapper tests on the GPU targets (reference, cuda and
+#      triton on cuda:0 and, with several GPUs, the last one)
+#   4. the kernel benchmark (64M elements, copy bandwidth as the ceiling)
+#   5. training windows of GPT d=256 and d=1024 (8 layers), N = 1 and 8
+# Logs, JSON and a summary go to $OUT (default bench/results/gpu-check); the
+# tables are printed last. About 8 minutes on one H200 with 16 cores.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/results/gpu-check}"
 mkdir -p "$OUT"
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
-# Only the architecture present: the default build (8.0 and 9.0+PTX) takes longer.
-export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$(python -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')}"
+export ACCUMKERNELS_REQUIRE_CUDA=1
+export PYTHONPATH="$PWD:$PWD/.gpu-deps${PYTHONPATH:+:$PYTHONPATH}"
+# Only the architecture present: the default list takes longer to build.
+TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$(python -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')}"
+export TORCH_CUDA_ARCH_LIST
 
+step() {  # step NAME LIMIT_S COMMAND...: run, log to $OUT/NAME.log, record the exit code
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "$name: exit $rc in $((SECONDS - start)) s (limit $limit s)" | tee -a "$OUT/summary.txt"
+    return $rc
+}
+
+: > "$OUT/summary.txt"
 {
+    date -u +%Y-%m-%dT%H:%M:%SZ
+    git rev-parse HEAD 2>/dev/null || echo "no git"
     nvidia-smi
     python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
     python -c "import triton; print('triton', triton.__version__)"
-    nproc
+    nvcc --version | tail -n 2
+    echo "cores $(nproc)"
 } > "$OUT/machine.txt" 2>&1
 
-echo "== build (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST)"
-start=$SECONDS
-if ! python setup.py build_ext --inplace > "$OUT/build.log" 2>&1; then
+if ! step build 300 python setup.py build_ext --inplace; then
     tail -n 60 "$OUT/build.log"
     exit 1
 fi
-echo "built in $((SECONDS - start)) s"
-python -c "import accumkernels as ak, accumkernels._native as n; print('backends', ak.available_backends(), 'with_cuda', n.with_cuda())"
+python -c "import accumkernels as ak, accumkernels._native as n; print('backends', ak.available_backends(), 'with_cuda', n.with_cuda())" | tee -a "$OUT/summary.txt"
 
-echo "== tests"
 if python -c "import pytest" 2>/dev/null; then
-    # The CUDA and Triton tests first: they are what this machine is for.
-    timeout 120 python -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_triton.py > "$OUT/tests-gpu.log" 2>&1
-    echo "GPU tests: pytest exit code $?"
-    tail -n 3 "$OUT/tests-gpu.log"
-    timeout 150 python -m pytest -q -m "not slow" -p no:cacheprovider tests > "$OUT/tests.log" 2>&1
-    echo "all tests: pytest exit code $?"
-    grep -E "passed|failed|error" "$OUT/tests.log" | tail -n 3
-    grep -E "^(FAILED|ERROR)" "$OUT/tests-gpu.log" "$OUT/tests.log" | head -n 20
+    step tests-gpu 180 python -m pytest -q -p no:cacheprovider -ra tests/test_cuda.py tests/test_triton.py
+    step tests-on-gpu 180 python -m pytest -q -p no:cacheprovider -m "not slow" -k "cuda" \
+        tests/test_accumulate.py tests/test_steps.py tests/test_grad_norm.py tests/test_optimizer.py
 else
-    echo "pytest is not installed here: skipping the test suite (the benchmark still checks every path before timing it)"
+    echo "tests: pytest is missing (make gpu-deps here, then carry .gpu-deps)" | tee -a "$OUT/summary.txt"
 fi
 
-echo "== benchmark"
-timeout 300 python -m bench.kernels --device cuda --results-dir "$OUT" --out kernels-cuda > "$OUT/bench.log" 2>&1
-echo "benchmark exit code $?"
-sed -n '/^group/,$p' "$OUT/bench.log"
+step bench-kernels 150 python -m bench.kernels --device cuda --results-dir "$OUT" --out kernels-cuda
+step bench-windows 150 python -m bench.e2e --windows --device cuda --models gpt-d256,gpt-d1024 --ns 1,8 \
+    --results-dir "$OUT"
+
+echo
+for log in tests-gpu tests-on-gpu; do
+    [ -f "$OUT/$log.log" ] && { echo "== $log"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/$log.log" | tail -n 25; }
+done
+echo "== kernels"
+sed -n '/^group/,$p' "$OUT/bench-kernels.log"
+echo "== training windows"
+sed -n '/^model/,$p' "$OUT/bench-windows.log"
+echo "== summary"
+cat "$OUT/summary.txt"

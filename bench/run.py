@@ -162,14 +162,16 @@ def main(argv=None) -> int:
     result = {"machine": record, "quick": args.quick, "kernels": kernel_result, "headline": heads,
               "size_sweep": sweep, "windows": windows, "precision": precision, "trade": trade}  # fmt: skip
     path = common.write_results(stem, result, folder)
-    plots = _plots(result, folder, stem)
+    try:
+        plots = _plots(result, folder, stem)
+    except ImportError:
+        print("no plots: matplotlib is not installed")
+        plots = []
 
     print("\n" + common.table(kernel_result["rows"], [("group", "group", "s"), ("name", "path", "s"),
                                                      ("median_ms", "median ms", ".3f"), ("gbps", "GB/s", ".1f"),
                                                      ("fraction_of_ceiling", "of ceiling", ".2f")]))  # fmt: skip
-    print("\n" + common.table(windows, [("model", "model", "s"), ("n_micro", "N", "d"), ("path", "path", "s"),
-                                        ("window_ms", "ms/window", ".1f"), ("peak_mib", "peak MiB", ".1f"),
-                                        ("step_share", "step share", ".3f")]))  # fmt: skip
+    print("\n" + common.table(windows, e2e.WINDOWS_TABLE))
     print("\n" + common.table(precision, [("n_micro", "N", "d"), ("path", "path", "s"),
                                           ("sum_error", "error vs float64 sum of the same grads", ".1e"),
                                           ("total_error", "error vs float64 big-batch gradient", ".1e")]))  # fmt: skip
