@@ -19,12 +19,14 @@ wrapper's own distributed mode.
 
 from __future__ import annotations
 
+import functools
 import gc
 
 import torch
 import torch.distributed as dist
 
 
+@functools.cache  # an import statement per gradient costs more than the check
 def _dtensor_class():
     from torch.distributed.tensor import DTensor
 

@@ -28,7 +28,6 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import ops
-from ._fsdp import local_tensor
 from ._layout import Bucket, Layout, ParamRecord
 from ._window import Window
 
@@ -142,7 +141,7 @@ class Intake:
         return self.accum_steps is None or self.window.micro_steps + 1 >= self.accum_steps
 
     def _check_shape(self, r: ParamRecord, grad: torch.Tensor) -> None:
-        if grad.shape != r.local.shape:
+        if grad.shape != (r.param.shape if r.local_of is None else r.local.shape):
             raise RuntimeError(
                 f"AccumulatingOptimizer: a gradient of shape {tuple(grad.shape)} arrived for param {r.index} of "
                 f"shape {tuple(r.local.shape)}"
@@ -168,7 +167,7 @@ class HookIntake(Intake):
                 f"AccumulatingOptimizer: param {r.index} got a sparse gradient; the 'hooks' intake takes dense "
                 "gradients only (intake='grad' adds sparse gradients into the dense buffer)"
             )
-        self._check_shape(r, local_tensor(grad))
+        self._check_shape(r, grad if r.local_of is None else r.local_of(grad))
         bucket = r.bucket
         last = self.bucket_done is not None and self.last_micro_step()
         if last and self.bucket_done.launched(bucket):
@@ -206,7 +205,7 @@ class HookIntake(Intake):
         for overwrite in (True, False):
             chosen = [r for r in records if (r.index not in touched) == overwrite]
             if chosen:
-                ops.accumulate_([r.buffer for r in chosen], [local_tensor(r.param.grad) for r in chosen], scale,
+                ops.accumulate_([r.buffer for r in chosen], [r.local_grad() for r in chosen], scale,
                                 overwrite=overwrite, found_inf=found_inf, backend=self.backend)  # fmt: skip
         for r in records:
             touched.add(r.index)

@@ -54,7 +54,7 @@ class ParamRecord:
     """Everything the wrapper keeps about one param."""
 
     param: torch.Tensor
-    local_of: Callable[[torch.Tensor], torch.Tensor]  # the param -> the elements this process holds
+    local_of: Callable[[torch.Tensor], torch.Tensor] | None  # the param -> the elements this process holds (None: all)
     index: int  # place in the wrapper's params: also its stochastic-rounding stream id
     group: int  # its param group
     offset: int  # first element of its view in the flat buffer
@@ -68,7 +68,12 @@ class ParamRecord:
     def local(self) -> torch.Tensor:
         """The elements of the param this process holds: the param itself, or a
         DTensor's local shard (looked up each time: FSDP2 may replace it)."""
-        return self.local_of(self.param)
+        return self.param if self.local_of is None else self.local_of(self.param)
+
+    def local_grad(self) -> torch.Tensor | None:
+        """The param's ``.grad`` as this process holds it (a DTensor's local shard)."""
+        grad = self.param.grad
+        return grad if self.local_of is None or grad is None else self.local_of(grad)
 
     @property
     def numel(self) -> int:
@@ -121,9 +126,9 @@ class Layout:
     """
 
     def __init__(self, params: list[torch.Tensor], groups: list[int], device: torch.device,
-                 bucket_cap_mb: float, shard_ranks: int = 1, local=lambda p: p) -> None:  # fmt: skip
+                 bucket_cap_mb: float, shard_ranks: int = 1, local=None) -> None:  # fmt: skip
         # `local` maps a param to the tensor whose elements the buffers hold
-        # (a DTensor's local shard under FSDP2).
+        # (a DTensor's local shard under FSDP2); None: the param itself.
         self.records = [ParamRecord(p, local, i, g, 0) for i, (p, g) in enumerate(zip(params, groups))]
         self._by_id = {id(r.param): r for r in self.records}
         cap = bucket_cap_mb * 2**20

@@ -125,7 +125,7 @@ class Updater:
         like = r.param_view()
         state = self.optimizer.state[r.param]
         value = state.get(key)
-        local = None if value is None else local_tensor(value)
+        local = value if value is None or r.local_of is None else local_tensor(value)
         if local is None or local.dtype != torch.float32 or local.device != like.device or local.stride() != like.stride():
             fresh = torch.zeros_like(like, dtype=torch.float32, memory_format=torch.preserve_format)
             if local is not None:
