@@ -84,6 +84,13 @@ def fsdp_param_groups(params) -> list:
     return groups
 
 
+def unit_of(params):
+    """param -> the index of the FSDP2 param group (fully_shard module) that
+    reduce-scatters its gradient (Layout's bucket boundaries)."""
+    unit = {id(fp.sharded_param): i for i, g in enumerate(fsdp_param_groups(params)) for fp in g.fsdp_params}
+    return lambda p: unit.get(id(p))
+
+
 class FSDPSync:
     """The window's cross-rank bookkeeping over the FSDP2 mesh (the same
     interface as _distributed.BucketReducer, with no buffer to reduce)."""

@@ -126,16 +126,20 @@ class Layout:
     """
 
     def __init__(self, params: list[torch.Tensor], groups: list[int], device: torch.device,
-                 bucket_cap_mb: float, shard_ranks: int = 1, local=None) -> None:  # fmt: skip
+                 bucket_cap_mb: float, shard_ranks: int = 1, local=None, unit_of=None) -> None:  # fmt: skip
         # `local` maps a param to the tensor whose elements the buffers hold
         # (a DTensor's local shard under FSDP2); None: the param itself.
+        # `unit_of` maps a param to the unit its gradients arrive with (FSDP2:
+        # its fully_shard module); a bucket never spans two, so it is folded as
+        # soon as its unit's gradients are in.
         self.records = [ParamRecord(p, local, i, g, 0) for i, (p, g) in enumerate(zip(params, groups))]
         self._by_id = {id(r.param): r for r in self.records}
         cap = bucket_cap_mb * 2**20
+        unit = unit_of or (lambda p: None)
         runs, current, size = [], [], 0
         for r in reversed(self.records):
             nbytes = r.numel * 4
-            if current and size + nbytes > cap:
+            if current and (size + nbytes > cap or unit(r.param) != unit(current[-1].param)):
                 runs.append(current)
                 current, size = [], 0
             current.append(r)

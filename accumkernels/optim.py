@@ -128,7 +128,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._skip_nonfinite = skip_nonfinite
         self._signature = param_signature(optimizer)
         self._layout = Layout(params, o.groups, self.device, bucket_cap_mb, self.world_size if self.sharded else 1,
-                              local=_fsdp.local_tensor if mesh is not None else None)  # fmt: skip
+                              local=_fsdp.local_tensor if mesh is not None else None,
+                              unit_of=_fsdp.unit_of(params) if mesh is not None else None)  # fmt: skip
         self._window = Window(normalize, self.device, run_seed(seed, self.device, self.process_group, self.world_size))
         self._loss_scale = _amp.LossScale(grad_scaler, self.device)
         self._sync = None  # the window's cross-rank part: None, a BucketReducer or an FSDPSync

@@ -242,7 +242,12 @@ def buffer_bytes(cfg, rank, world, mesh):
         opt = ak.AccumulatingOptimizer(make_optimizer(model.parameters()), accum_steps=N_MICRO, backend=cfg["backend"],
                                        seed=0)  # fmt: skip
     allocated = sum(e.self_cpu_memory_usage for e in prof.events())
-    return {"allocated": allocated, "full_fp32": full, "flat": opt._layout.flat.numel() * 4}
+    # Each bucket holds the params of one fully_shard module: folded as soon as
+    # that module's reduce-scatter hands its shards over.
+    modules = {id(p): name for name, m in (("block0", model.blocks[0]), ("block1", model.blocks[1]))
+               for p in m.parameters()}  # fmt: skip
+    buckets = [sorted({modules.get(id(r.param), "root") for r in b.records}) for b in opt._layout.buckets]
+    return {"allocated": allocated, "full_fp32": full, "flat": opt._layout.flat.numel() * 4, "buckets": buckets}
 
 
 def refusals(cfg, rank, world, mesh):

@@ -88,10 +88,12 @@ def test_distributed_checkpoint(runs):
 @pytest.mark.parametrize("world", [2, 4])
 def test_buffers_hold_one_shard_per_rank(runs, world):
     """Measured (torch's profiler): the memory the wrapper allocates on each
-    rank is about 1/W of the model in fp32 (the local shards, 64-byte aligned)."""
+    rank is about 1/W of the model in fp32 (the local shards, 64-byte aligned),
+    in one bucket per fully_shard module, in the order backward reaches them."""
     for rank in runs[world]:
         m = rank["memory"]
         assert m["full_fp32"] / world * 0.95 <= m["allocated"] <= m["full_fp32"] / world * 1.02 + 4096, m
+        assert m["buckets"] == [["root"], ["block1"], ["block0"]], "one bucket per fully_shard module"
 
 
 def test_refusals(runs):

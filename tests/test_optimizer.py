@@ -626,3 +626,31 @@ def test_grad_views_survive_module_to(backend):
         opt.zero_grad()
     assert rel_diff(ours, plain) <= 1e-5
     assert all(opt._layout.aliased(r) and r.param.grad is r.buffer for r in opt._layout)
+
+
+class _Checkpointed(nn.Module):
+    """mlp() with its hidden block recomputed in backward (activation checkpointing)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        first, *rest = self.inner
+        return torch.utils.checkpoint.checkpoint(nn.Sequential(*rest), first(x), use_reentrant=False)
+
+
+@pytest.mark.parametrize("intake", ["hooks", "grad"])
+@pytest.mark.parametrize("wrap_model", ["compile", "checkpoint"])
+def test_compiled_and_checkpointed_models(intake, wrap_model):
+    """torch.compile (inductor) and activation checkpointing change how backward
+    runs, not what the window is: the big batch, as with the eager model."""
+    windows = [data() for _ in range(2)]
+    plain, ours = mlp(), mlp()
+    big_batch_run(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2, eps=ADAM_EPS), windows)
+    opt = ak.AccumulatingOptimizer(torch.optim.AdamW(ours.parameters(), lr=1e-2, eps=ADAM_EPS), accum_steps=4,
+                                   intake=intake)  # fmt: skip
+    model = torch.compile(ours) if wrap_model == "compile" else _Checkpointed(ours)
+    micro_batch_run(model, opt, windows, 4)
+    assert opt.optimizer.state[next(ours.parameters())]["step"].item() == 2
+    assert rel_diff(ours, plain) <= 1e-5
