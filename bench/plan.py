@@ -10,7 +10,7 @@ the CPU allocator, from before the model is built), on CUDA
 ``torch.cuda.max_memory_allocated``. Prints the plans and a table, writes JSON
 and a plot of predicted and measured peak against the micro-batch size.
 
-    python -m bench.plan [--quick] [--global-batch 96] [--budget 48MiB]
+    python -m bench.plan [--quick] [--global-batch 96] [--device cpu|cuda]
 """
 
 from __future__ import annotations
