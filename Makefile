@@ -35,7 +35,7 @@ $(VENV)/.deps:
 	touch $@
 
 $(VENV)/.built: $(VENV)/.deps $(NATIVE_SOURCES)
-	@echo "== building accumkernels' CPU kernels (and its CUDA kernels where a toolkit is found): about 4 minutes on 2 cores"
+	@echo "== building accumkernels' CPU kernels (and its CUDA kernels where a toolkit is found): about 2 minutes on 2 cores"
 	$(PY) -m pip install --quiet --no-build-isolation --no-deps -e .
 	touch $@
 
