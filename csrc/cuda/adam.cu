@@ -32,18 +32,15 @@ struct AdamFunctor {
                              AdamHyper h, StepScale scale, bool zero_buffers, uint32_t seed) {
     using T = typename Storage<P>::type;
     constexpr int N = kVec<T>;
-    float* buffer = static_cast<float*>(meta.addresses[2][t]) + start;
+    float* buffer = chunk_floats(meta, 2, t, start);
     if (scale.skip()) {
       if (zero_buffers) zero_chunk(buffer, n);
       return;
     }
-    const Weights<P, kMaster, kStochastic> w{
-        static_cast<T*>(meta.addresses[0][t]) + start,
-        kMaster ? static_cast<float*>(meta.addresses[1][t]) + start : nullptr, seed,
-        meta.stream[t], start};
-    float* exp_avg = static_cast<float*>(meta.addresses[3][t]) + start;
-    float* exp_avg_sq = static_cast<float*>(meta.addresses[4][t]) + start;
-    float* max_sq = h.amsgrad ? static_cast<float*>(meta.addresses[5][t]) + start : nullptr;
+    const auto w = chunk_weights<P, kMaster, kStochastic>(meta, t, start, seed);
+    float* exp_avg = chunk_floats(meta, 3, t, start);
+    float* exp_avg_sq = chunk_floats(meta, 4, t, start);
+    float* max_sq = h.amsgrad ? chunk_floats(meta, 5, t, start) : nullptr;
     const float step = *static_cast<const float*>(meta.addresses[6][t]);
     const AdamStepScalars s = adam_bias_corrections(h, step);
     const float gs = scale.scale();

@@ -22,16 +22,13 @@ struct SgdFunctor {
     using T = typename Storage<P>::type;
     constexpr int N = kVec<T>;
     constexpr bool kHasMomentum = kMomentum != Momentum::kNone;
-    float* buffer = static_cast<float*>(meta.addresses[2][t]) + start;
+    float* buffer = chunk_floats(meta, 2, t, start);
     if (scale.skip()) {
       if (zero_buffers) zero_chunk(buffer, n);
       return;
     }
-    const Weights<P, kMaster, kStochastic> w{
-        static_cast<T*>(meta.addresses[0][t]) + start,
-        kMaster ? static_cast<float*>(meta.addresses[1][t]) + start : nullptr, seed,
-        meta.stream[t], start};
-    float* mom = kHasMomentum ? static_cast<float*>(meta.addresses[3][t]) + start : nullptr;
+    const auto w = chunk_weights<P, kMaster, kStochastic>(meta, t, start, seed);
+    float* mom = kHasMomentum ? chunk_floats(meta, 3, t, start) : nullptr;
     const float gs = scale.scale();
     const bool vector_ok = aligned_for_packs<N>(w) && aligned<float, N>(buffer) &&
                            (!kHasMomentum || aligned<float, N>(mom));

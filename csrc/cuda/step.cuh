@@ -1,5 +1,6 @@
-// What the CUDA step-and-zero ops share: 16-byte pack access to the weights
-// of formulas.h's Weights, and the skipped window that only clears buffers.
+// What the CUDA step-and-zero ops share: their chunk's pointers, 16-byte pack
+// access to the weights of formulas.h's Weights, and the skipped window that
+// only clears buffers.
 #pragma once
 
 #include "../op_args.h"
@@ -9,6 +10,22 @@
 #include "multi_tensor.cuh"
 
 namespace accumkernels::cuda {
+
+// Every step kernel's lists start 0 param, 1 master (fp32), 2 buffer (fp32);
+// the optimizer's fp32 state follows. Tensor t's chunk from element `start`:
+template <int L>
+__device__ __forceinline__ float* chunk_floats(const Meta<L>& meta, int list, int t,
+                                               int64_t start) {
+  return static_cast<float*>(meta.addresses[list][t]) + start;
+}
+
+template <Dtype P, bool kMaster, bool kStochastic, int L>
+__device__ __forceinline__ Weights<P, kMaster, kStochastic> chunk_weights(
+    const Meta<L>& meta, int t, int64_t start, uint32_t seed) {
+  using T = typename Storage<P>::type;
+  return {static_cast<T*>(meta.addresses[0][t]) + start,
+          kMaster ? chunk_floats(meta, 1, t, start) : nullptr, seed, meta.stream[t], start};
+}
 
 template <int N, Dtype P, bool kMaster, bool kStochastic>
 __device__ __forceinline__ bool aligned_for_packs(const Weights<P, kMaster, kStochastic>& w) {
