@@ -21,7 +21,7 @@ sharded        ``reduce_scatter_single`` (SUM), in place  ``all_to_all_single`` 
 =============  =========================================  =====================================
 
 With a bf16 wire each rank's contribution is rounded to bf16 once (relative error
-<= 2^-9), the sum over ranks is computed in fp32, and in all-reduce mode the summed
+<= 2^-8, bf16's unit roundoff), the sum over ranks is computed in fp32, and in all-reduce mode the summed
 shard is rounded to bf16 once more to be gathered.
 """
 
@@ -167,7 +167,7 @@ class BucketReducer:
     def squared_norm(self, local: torch.Tensor) -> torch.Tensor:
         """The window gradient's squared norm from this rank's: every rank holds
         the whole reduced buffer, or (sharded) its shard of it."""
-        return self.global_squared_norm(local) if self.sharded else local
+        return sum_over_ranks(local, self.group) if self.sharded else local
 
     def after_step(self) -> None:
         if self.sharded:
@@ -178,12 +178,6 @@ class BucketReducer:
         """Param ``index``'s stochastic-rounding stream: the same on every rank
         (every rank steps the same elements, or disjoint shards of them)."""
         return index
-
-    def global_squared_norm(self, local: torch.Tensor) -> torch.Tensor:
-        """Sharded mode: the shards' squared norms summed over ranks."""
-        squared = local.reshape(1).clone()
-        dist.all_reduce(squared, group=self.group)
-        return squared.reshape(())
 
     def gather_params(self) -> None:
         """Sharded mode, after the step: every bucket's updated params travel in
@@ -211,6 +205,13 @@ class BucketReducer:
                 if r.index in touched:
                     at = r.offset - b.start
                     flat_view(r.param).copy_(region[at : at + r.numel])
+
+
+def sum_over_ranks(value: torch.Tensor, group) -> torch.Tensor:
+    """A 0-dim tensor summed over the ranks of ``group`` (a new tensor)."""
+    total = value.reshape(1).clone()
+    dist.all_reduce(total, group=group)
+    return total.reshape(())
 
 
 def all_reduce_window(group, window: Window, layout: Layout, check_inf: bool, while_waiting=None):

@@ -23,7 +23,8 @@ import functools
 import gc
 
 import torch
-import torch.distributed as dist
+
+from ._distributed import all_reduce_window, sum_over_ranks
 
 
 @functools.cache  # an import statement per gradient costs more than the check
@@ -118,16 +119,12 @@ class FSDPSync:
         return float(self.world if factor is None else factor)
 
     def end_window(self, check_inf: bool):
-        from ._distributed import all_reduce_window
-
         self._window.divisor = self.divisor()
         return all_reduce_window(self.group, self._window, self._layout, check_inf)
 
     def squared_norm(self, local: torch.Tensor) -> torch.Tensor:
         """Every rank holds its shards: the squared norms add up over the mesh."""
-        squared = local.reshape(1).clone()
-        dist.all_reduce(squared, group=self.group)
-        return squared.reshape(())
+        return sum_over_ranks(local, self.group)
 
     def after_step(self) -> None:
         pass

@@ -130,6 +130,12 @@ class Intake:
             )
         self._watch_late_init = dist.is_initialized() is False and self.window.windows == 0
 
+    def _on_grad(self, index: int) -> None:
+        """A param's post-accumulate-grad hook: its gradient is in ``.grad``."""
+        if self._watch_late_init:
+            self._refuse_late_init()
+        self._take(self.layout.records[index])
+
     @property
     def check_inf(self) -> bool:
         """Check gradients for inf/NaN as they are folded: with a GradScaler
@@ -155,10 +161,7 @@ class HookIntake(Intake):
         self._pending: dict[int, list[ParamRecord]] = {}  # bucket index -> records whose gradient is waiting
         super().__init__(*args, **kwargs)
 
-    def _on_grad(self, index: int) -> None:
-        if self._watch_late_init:
-            self._refuse_late_init()
-        r = self.layout.records[index]
+    def _take(self, r: ParamRecord) -> None:
         grad = r.param.grad
         if grad is None:
             return
@@ -249,10 +252,7 @@ class GradIntake(Intake):
             return self.last_micro_step()
         return bool(self.window.sync_intent)  # a DDP module said so; else the reduction waits for step()
 
-    def _on_grad(self, index: int) -> None:
-        if self._watch_late_init:
-            self._refuse_late_init()
-        r = self.layout.records[index]
+    def _take(self, r: ParamRecord) -> None:
         grad = r.param.grad
         reducer = self.bucket_done
         if reducer is not None and not self._reduction_queued:
@@ -274,7 +274,7 @@ class GradIntake(Intake):
             r.param.grad = r.buffer
         elif not self.layout.aliased(r):
             self._reattach(r)
-        self.window.touched.add(index)
+        self.window.touched.add(r.index)
         self.window.grads_since_step = True
 
     def _reattach(self, r: ParamRecord) -> None:

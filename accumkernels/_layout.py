@@ -14,7 +14,7 @@ starts aligned too. All the flat-buffer arithmetic lives here.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -62,7 +62,6 @@ class ParamRecord:
     buffer: torch.Tensor | None = None  # fp32 view of the flat buffer, laid out like the param
     shard: tuple[int, int] | None = None  # [lo, hi) of its elements this rank steps; None: all
     master: torch.Tensor | None = None  # fp32 master weights of what this rank steps
-    extra: dict = field(default_factory=dict)  # per-intake data (e.g. hook handles)
 
     @property
     def local(self) -> torch.Tensor:
@@ -188,15 +187,11 @@ class Layout:
     def record(self, param: torch.Tensor) -> ParamRecord | None:
         return self._by_id.get(id(param))
 
-    def refresh_expected(self) -> bool:
+    def refresh_expected(self) -> None:
         """Recount each bucket's trainable params (requires_grad may change
-        during training); returns whether any count changed."""
-        changed = False
+        during training)."""
         for b in self.buckets:
-            expected = sum(r.param.requires_grad for r in b.records)
-            changed |= expected != b.expected
-            b.expected = expected
-        return changed
+            b.expected = sum(r.param.requires_grad for r in b.records)
 
     def set_shards(self, shard_of_bucket) -> None:
         """Sharded optimizer state: ``shard_of_bucket(bucket)`` gives this rank's

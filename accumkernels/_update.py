@@ -92,7 +92,6 @@ class Updater:
             squared = self.sync.squared_norm(squared)
         return (squared.sqrt() * (scale.abs() if isinstance(scale, torch.Tensor) else abs(scale))).reshape(())
 
-
     # ---- the step ---------------------------------------------------------------
 
     def step(self, records: list[ParamRecord], grad_scale, found_inf, seed: int, intake) -> None:

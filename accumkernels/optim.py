@@ -125,7 +125,6 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self.device = o.device
         self.process_group, self.world_size, self.rank = o.process_group, o.world_size, o.rank
         self.sharded = sharded and self.world_size > 1
-        self._skip_nonfinite = skip_nonfinite
         self._signature = param_signature(optimizer)
         self._layout = Layout(params, o.groups, self.device, bucket_cap_mb, self.world_size if self.sharded else 1,
                               local=_fsdp.local_tensor if mesh is not None else None,
@@ -311,7 +310,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     @property
     def _check_inf(self) -> bool:
         """Inf/NaN gradients skip the window: with a GradScaler (given or found) or skip_nonfinite."""
-        return self._skip_nonfinite or self._loss_scale.scaler is not None
+        return self._intake.check_inf
 
     def _refuse_during_reduction(self, what: str) -> None:
         if self._sync is not None and self._sync.started:

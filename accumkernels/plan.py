@@ -112,7 +112,6 @@ def static_bytes(optimizer: torch.optim.Optimizer, **wrapper_options) -> dict[st
         world = dist.get_world_size(wrapper_options.get("process_group"))
     layout = Layout(params, groups, torch.device("meta"), wrapper_options.get("bucket_cap_mb", 25.0), world)
     stepped = {id(p): p.numel() // world for p in params}  # sharded: each rank steps 1/W of every bucket
-    per_element = 0
     state = 0
     for group in optimizer.param_groups:
         n = sum(stepped[id(p)] for p in group["params"])
@@ -169,7 +168,6 @@ def _measure(model, loss_fn, optimizer, sizes, device, wrapper_options) -> tuple
                 measured.append(int(peak.get("Total", 0) - static))
     finally:
         wrapper.close()
-        wrapper._window.clear()
     return measured, time.perf_counter() - start
 
 
