@@ -43,6 +43,18 @@ def interleaved_medians(fns: list, device: torch.device, *, reps: int, warmup: i
     return [statistics.median(t) for t in times]
 
 
+def profiled_peak(prof) -> int:
+    """The peak of the CPU allocator's live bytes over a ``torch.profiler``
+    run with ``profile_memory=True``: the running sum of its memory events,
+    every allocation and free, in time order."""
+    events = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage)
+    live = peak = 0
+    for _, change in events:
+        live += change
+        peak = max(peak, live)
+    return peak
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -83,11 +83,6 @@ def _peak_bytes(device: torch.device) -> int:
     return _proc_status_kib("VmHWM") * 1024
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _model(name: str, device, ctx: int):
     from accumkernels.testing import GPT
 
@@ -141,31 +136,31 @@ def run_one(cfg: dict) -> dict:
             if ours:
                 last = i == n_micro - 1
                 if last:
-                    _sync(device)
+                    common.synchronize(device)
                     t0 = time.perf_counter()
                 opt.step()
                 opt.zero_grad()
                 if last:
-                    _sync(device)
+                    common.synchronize(device)
                     step_seconds = time.perf_counter() - t0
         if not ours:
-            _sync(device)
+            common.synchronize(device)
             t0 = time.perf_counter()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            _sync(device)
+            common.synchronize(device)
             step_seconds = time.perf_counter() - t0
         return step_seconds
 
-    _sync(device)
+    common.synchronize(device)
     baseline = _reset_peak(device)
     window()  # warm-up (allocates state and buffers)
     times, step_times = [], []
     for _ in range(cfg["windows"]):
-        _sync(device)
+        common.synchronize(device)
         t0 = time.perf_counter()
         step_times.append(window())
-        _sync(device)
+        common.synchronize(device)
         times.append(time.perf_counter() - t0)
     return {
         **cfg,

@@ -134,11 +134,7 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict, out: str) -> None:
                 if path != "ours":
                     opt.step()
                     opt.zero_grad()
-            live = peak = 0
-            for _, change in sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events()
-                                    if e.self_cpu_memory_usage):  # fmt: skip
-                live += change
-                peak = max(peak, live)
+            peak = common.profiled_peak(prof)
         inner = opt.optimizer if path == "ours" else opt
         state = _bytes(t._local_tensor if hasattr(t, "_local_tensor") else t for s in inner.state.values()
                        for t in s.values())  # fmt: skip

@@ -64,12 +64,7 @@ def measure(cfg: dict) -> dict:
         model = _model(cfg["model"], device)
         opt = ak.AccumulatingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), accum_steps=cfg["accum_steps"])
         _train(model, opt, cfg["micro_batch"], cfg["accum_steps"] + 1)
-    events = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage)
-    live = peak = 0
-    for _, change in events:
-        live += change
-        peak = max(peak, live)
-    return {**cfg, "measured_peak": peak}
+    return {**cfg, "measured_peak": common.profiled_peak(prof)}
 
 
 def run(device: torch.device, models: list[str], global_batch: int, budgets: dict[str, str], progress=print) -> dict:

@@ -34,7 +34,7 @@ def test_kernel_benchmark_quick_mode(native_only, tmp_path):
 def test_suite_quick_mode(native_only, tmp_path):
     """`python -m bench.run --quick`: kernels, size sweep, training windows,
     the batch/micro-batch trade, JSON and plots, in about a minute."""
-    out = _quick_run("bench.run", tmp_path)
+    _quick_run("bench.run", tmp_path)
     result = json.loads((tmp_path / "suite-cpu-quick.json").read_text())
     assert {r["path"] for r in result["windows"]} == {"plain-bf16", "plain-autocast", "ours-hooks", "ours-grad",
                                                       "ours-master"}  # fmt: skip
