@@ -12,18 +12,6 @@
 
 namespace accumkernels::cpu {
 
-inline void zero_all(at::TensorList buffers) {
-  for (const DtypeGroup& g : group_by_dtype(buffers, {buffers})) {
-    const FlatIndex index(g.numels);
-    const KernelTable& k = kernels();
-    index.parallel_for_chunks([&](int64_t, int64_t begin, int64_t end) {
-      index.for_each_segment(begin, end, [&](size_t t, int64_t offset, int64_t length) {
-        k.zero(static_cast<float*>(g.pointers[0][t]) + offset, length);
-      });
-    });
-  }
-}
-
 // A float* into pointer list `ptrs` at element `offset`, or nullptr for an
 // absent optional list.
 inline float* f32_at(const std::vector<void*>& ptrs, size_t t, int64_t offset) {
@@ -52,6 +40,16 @@ void for_each_chunk(const DtypeGroup& g, F&& f) {
   index.parallel_for_chunks([&](int64_t, int64_t begin, int64_t end) {
     index.for_each_segment(begin, end, f);
   });
+}
+
+// A skipped window still clears its buffers.
+inline void zero_all(at::TensorList buffers) {
+  const KernelTable& k = kernels();
+  for (const DtypeGroup& g : group_by_dtype(buffers, {buffers})) {
+    for_each_chunk(g, [&](size_t t, int64_t offset, int64_t length) {
+      k.zero(static_cast<float*>(g.pointers[0][t]) + offset, length);
+    });
+  }
 }
 
 }  // namespace accumkernels::cpu
