@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._layout import Layout, collect_params
-from ._update import optimizer_kind
+from .optim._layout import Layout, collect_params
+from .optim._update import optimizer_kind
 
 MARGIN = 0.05
 _UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}

@@ -1,4 +1,4 @@
-"""The GradScaler internals accumkernels/_amp.py relies on, one test each,
+"""The GradScaler internals accumkernels/optim/_amp.py relies on, one test each,
 against the installed torch: if torch changes one of them, the test that names
 it fails here rather than the wrapper misbehaving in training."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch.amp.grad_scaler import OptState
 
-from accumkernels import _amp
+from accumkernels.optim import _amp
 
 
 def _scaled_backward(scaler, param, value=1.0):

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import ops
+from .. import ops
 from ._layout import Bucket, Layout, ParamRecord
 from ._window import Window
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import ops
+from .. import ops
 from ._fsdp import local_tensor
 from ._layout import Layout, ParamRecord
 

@@ -3,7 +3,7 @@ window, and the window's cross-rank bookkeeping.
 
 Each bucket is a contiguous slice ``flat[start:end]`` whose length is a multiple
 of the world size W, so rank r's shard of it is ``flat[start + r*s : start + (r+1)*s]``
-with ``s = (end - start) / W`` (accumkernels._layout). Buckets are launched
+with ``s = (end - start) / W`` (accumkernels.optim._layout). Buckets are launched
 strictly in index order (every rank must issue the same collectives in the same
 order), each as soon as it and all before it are ready; ``finish()`` waits for
 them. ``sync_window`` then sums the window's counts and flags over ranks in one

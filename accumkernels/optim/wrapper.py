@@ -74,7 +74,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         intake: ``"hooks"`` (fold gradients into the buffers during backward and
             free ``.grad``) or ``"grad"`` (``.grad`` *is* the fp32 buffer, for code
             that reads it after backward); default ``"grad"`` when ``accum_steps`` is
-            None, else ``"hooks"``. See ``accumkernels._intake``.
+            None, else ``"hooks"``. See ``accumkernels.optim._intake``.
         bucket_cap_mb: size of the buckets gradients are folded and reduced in.
         backend: the accumkernels backend (default: the fastest available).
         process_group: the group to reduce over (default: the world).
