@@ -16,6 +16,8 @@ import torch
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PARAM_DTYPES = GRAD_DTYPES
 F32 = (torch.float32,)
+STATE_DTYPES = (torch.float32, torch.bfloat16)  # optimizer state (bf16: rounded stochastically)
+MASTER_DTYPES = (torch.float32, torch.int16)  # fp32 master weights, or int16 remainders of bf16 params
 
 
 def _names(dtypes) -> str:
@@ -33,6 +35,16 @@ def as_tensor_list(op: str, value, name: str, *, optional: bool = False) -> list
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name}[{i}] must be a torch.Tensor; got {type(t).__name__}")
     return out
+
+
+def first_dtype(tensors: list[torch.Tensor]) -> torch.dtype | None:
+    """The dtype a list of tensors must share: that of its first (None if empty)."""
+    return tensors[0].dtype if tensors else None
+
+
+def check_same_dtype(op: str, tensors: list[torch.Tensor], name: str, i: int, reason: str) -> None:
+    if tensors[i].dtype != tensors[0].dtype:
+        raise TypeError(f"{op}: {name}[{i}] has dtype {tensors[i].dtype} but {name}[0] has {tensors[0].dtype}; {reason}")
 
 
 def check_length(op: str, values: list, name: str, expected: int, reason: str) -> None:

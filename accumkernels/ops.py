@@ -105,7 +105,13 @@ def _step_arguments(op, params, buffers, master_params, grad_scale, found_inf, m
                     f"{op}: params[{i}] is float32 but master_params were given; "
                     "master weights are for bfloat16 or float16 params"
                 )
-            checks.check_like(op, master_params[i], "master_params", i, p, "params", checks.F32)
+            checks.check_like(op, master_params[i], "master_params", i, p, "params", checks.MASTER_DTYPES)
+            checks.check_same_dtype(op, master_params, "master_params", i, "one kind of master weights per call")
+            if master_params[i].dtype == torch.int16 and p.dtype != torch.bfloat16:
+                raise TypeError(
+                    f"{op}: master_params[{i}] are int16 remainders but params[{i}] is {p.dtype}; "
+                    "remainders are for bfloat16 params"
+                )
     scale_value, scale_tensor = checks.scale_argument(op, grad_scale, "grad_scale", device)
     checks.check_scalar_tensor(op, found_inf, "found_inf", device)
     return dict(
@@ -116,10 +122,16 @@ def _step_arguments(op, params, buffers, master_params, grad_scale, found_inf, m
     )  # fmt: skip
 
 
-def _check_state(op, state, name, params):
+def _check_state(op, state, name, params, dtype):
+    """One state tensor per param, laid out like it, of the call's state dtype ``dtype``."""
     checks.check_length(op, state, name, len(params), "one per param")
     for i, (s, p) in enumerate(zip(state, params)):
-        checks.check_like(op, s, name, i, p, "params", checks.F32)
+        checks.check_like(op, s, name, i, p, "params", checks.STATE_DTYPES)
+        if s.dtype != dtype:
+            raise TypeError(
+                f"{op}: {name}[{i}] has dtype {s.dtype} but the call's state is {dtype}; every state tensor of a "
+                "call has one dtype"
+            )
 
 
 def _scalar_tensors(args: dict) -> dict:
@@ -153,25 +165,33 @@ def sgd_step_and_zero_(params: Tensors, buffers: Tensors, momentum_buffers: Tens
     Args:
         params: fp32, bf16 or fp16 tensors, updated in place.
         buffers: the fp32 gradient sums, one per param, laid out like it.
-        momentum_buffers: fp32 state, one per param; required iff momentum != 0.
+        momentum_buffers: the state ``b``, one per param, all fp32 or all bf16
+            (bf16: rounded stochastically, see below); required iff momentum != 0.
         grad_scale: float or 1-element fp32 device tensor multiplying the
             buffers (it can carry 1/N, 1/num_items, 1/loss_scale and a clip
             coefficient at once).
         found_inf: optional 1-element fp32 device tensor; nonzero skips the step.
-        master_params: optional fp32 weights for bf16/fp16 params.
+        master_params: optional master weights of bf16/fp16 params: fp32
+            copies (4 bytes per element), or, for bf16 params, int16
+            remainders (2 bytes): the low 16 bits of the fp32 master, whose
+            high 16 bits the param holds (rounded to nearest, ties away from
+            zero), so that param and remainder are the fp32 master bit for bit.
         is_first_step: the momentum buffers hold no history yet (torch.optim
             starts them as a copy of the first gradient).
         zero_buffers: write zeros into the buffers in the same pass.
         stochastic_rounding: round bf16 params stochastically (see below).
-        seed: the stochastic rounding seed; use a new one every step.
+        seed: the stochastic rounding seed (of bf16 params with
+            stochastic_rounding, and of bf16 state always); use a new one every step.
         positions: each param's stream id for stochastic rounding (default:
             its place in the list); give distinct ids to params that share a seed.
 
-    Stochastic rounding (bf16 params, no master weights): the param receives
-    ``w`` with 16 random bits added below the bf16 mantissa, then truncated, so
-    its expected value is ``w`` and small updates are not lost to rounding. The
-    bits are a fixed hash of (seed, stream id, the element's index in the
-    param's memory order), the same in every backend.
+    Stochastic rounding (bf16 params without master weights, and every bf16
+    state tensor): the value receives 16 random bits added below the bf16
+    mantissa, then is truncated, so its expected value is the fp32 result and
+    small updates are not lost to rounding. The bits are a fixed hash of (seed,
+    stream id, the element's index in memory order), the same in every
+    backend; the param and each state tensor of an element draw different bits
+    (formulas.h's rounding slots).
     """
     op = "accumkernels.sgd_step_and_zero_"
     momentum_buffers = checks.as_tensor_list(op, momentum_buffers, "momentum_buffers", optional=True)
@@ -185,7 +205,7 @@ def sgd_step_and_zero_(params: Tensors, buffers: Tensors, momentum_buffers: Tens
                            stochastic_rounding, seed, positions)  # fmt: skip
     params = args.get("params", [])
     if momentum != 0:
-        _check_state(op, momentum_buffers, "momentum_buffers", params)
+        _check_state(op, momentum_buffers, "momentum_buffers", params, checks.first_dtype(momentum_buffers))
     else:
         checks.check_length(op, momentum_buffers, "momentum_buffers", 0, "momentum is 0: pass None")
     if not params:
@@ -223,18 +243,21 @@ _ADAM_DOC = """One torch.optim.{cls} step from fp32 gradient buffers, then clear
     Args:
         params: fp32, bf16 or fp16 tensors, updated in place.
         buffers: the fp32 gradient sums, one per param, laid out like it.
-        exp_avgs, exp_avg_sqs: fp32 state (``m``, ``v``), one per param.
+        exp_avgs, exp_avg_sqs: the state (``m``, ``v``), one per param; all
+            state tensors of a call fp32, or all bf16 (rounded stochastically,
+            as sgd_step_and_zero_ describes).
         state_steps: 1-element fp32 step counts on the params' device, one per
             param (torch.optim's ``state['step']``).
-        max_exp_avg_sqs: fp32 state ``v_max``; required iff amsgrad.
+        max_exp_avg_sqs: the state ``v_max``; required iff amsgrad.
         grad_scale: float or 1-element fp32 device tensor multiplying the
             buffers (it can carry 1/N, 1/num_items, 1/loss_scale and a clip
             coefficient at once).
         found_inf: optional 1-element fp32 device tensor; nonzero skips the step.
-        master_params: optional fp32 weights for bf16/fp16 params.
+        master_params: optional master weights of bf16/fp16 params: fp32
+            copies, or int16 remainders of bf16 params (see sgd_step_and_zero_).
         zero_buffers: write zeros into the buffers in the same pass.
         stochastic_rounding, seed, positions: stochastic rounding of bf16
-            params, as sgd_step_and_zero_ describes.
+            params and bf16 state, as sgd_step_and_zero_ describes.
     """
 
 
@@ -281,10 +304,11 @@ def _adam_family(name: str, adamw: bool, default_weight_decay: float, decay: str
         params = args.get("params", [])
         if not params:
             return
-        _check_state(op, exp_avgs, "exp_avgs", params)
-        _check_state(op, exp_avg_sqs, "exp_avg_sqs", params)
+        state_dtype = checks.first_dtype(exp_avgs)
+        _check_state(op, exp_avgs, "exp_avgs", params, state_dtype)
+        _check_state(op, exp_avg_sqs, "exp_avg_sqs", params, state_dtype)
         if amsgrad:
-            _check_state(op, max_exp_avg_sqs, "max_exp_avg_sqs", params)
+            _check_state(op, max_exp_avg_sqs, "max_exp_avg_sqs", params, state_dtype)
         else:
             checks.check_length(op, max_exp_avg_sqs, "max_exp_avg_sqs", 0, "amsgrad is False: pass None")
         checks.check_length(op, state_steps, "state_steps", len(params), "one step count per param")

@@ -68,8 +68,9 @@ inline void check_scalar_tensor(const char* op, const std::optional<at::Tensor>&
 }
 
 // The tensors every step-and-zero op takes: params (any supported dtype,
-// the device of params[0]), fp32 buffers laid out like them and optional fp32
-// master weights, which only make sense for low-precision params.
+// the device of params[0]), fp32 buffers laid out like them and optional
+// master weights, which only make sense for low-precision params: fp32 copies
+// (bf16 or fp16 params) or int16 remainders (bf16 params), one dtype per call.
 inline void check_step_tensors(const char* op, at::TensorList params, at::TensorList buffers,
                                at::TensorList master_params) {
   check_length(op, buffers, "buffers", params.size(), "one buffer per param");
@@ -85,7 +86,16 @@ inline void check_step_tensors(const char* op, at::TensorList params, at::Tensor
       TORCH_CHECK_TYPE(params[i].scalar_type() != at::kFloat, op, ": params[", i,
                        "] is float32 but master_params were given; master weights are for "
                        "bfloat16 or float16 params");
-      check_like(op, master_params[i], "master_params", i, params[i], "params", {at::kFloat});
+      check_like(op, master_params[i], "master_params", i, params[i], "params",
+                 {at::kFloat, at::kShort});
+      TORCH_CHECK_TYPE(master_params[i].scalar_type() == master_params[0].scalar_type(), op,
+                       ": master_params[", i, "] has dtype ", master_params[i].scalar_type(),
+                       " but master_params[0] has ", master_params[0].scalar_type(),
+                       "; one kind of master weights per call");
+      TORCH_CHECK_TYPE(master_params[i].scalar_type() != at::kShort ||
+                           params[i].scalar_type() == at::kBFloat16,
+                       op, ": master_params[", i, "] are int16 remainders but params[", i,
+                       "] is ", params[i].scalar_type(), "; remainders are for bfloat16 params");
     }
   }
 }
@@ -126,12 +136,22 @@ inline void check_accumulate_arguments(const char* op, at::TensorList buffers,
   check_scalar_tensor(op, found_inf, "found_inf", device);
 }
 
-// Optimizer state: one fp32 tensor per param, laid out like it.
+// The dtype of a call's optimizer state: that of its first state tensor
+// (`first_state`: momentum_buffers or exp_avgs), float32 for a call without state.
+inline at::ScalarType state_dtype_of(at::TensorList first_state) {
+  return first_state.empty() ? at::kFloat : first_state[0].scalar_type();
+}
+
+// Optimizer state: one tensor per param, laid out like it, all of one dtype
+// (float32 or bfloat16) across the call.
 inline void check_state(const char* op, at::TensorList state, const char* name,
-                        at::TensorList params) {
+                        at::TensorList params, at::ScalarType state_dtype) {
   check_length(op, state, name, params.size(), "one per param");
   for (size_t i = 0; i < params.size(); ++i) {
-    check_like(op, state[i], name, i, params[i], "params", {at::kFloat});
+    check_like(op, state[i], name, i, params[i], "params", {at::kFloat, at::kBFloat16});
+    TORCH_CHECK_TYPE(state[i].scalar_type() == state_dtype, op, ": ", name, "[", i,
+                     "] has dtype ", state[i].scalar_type(), " but the call's state is ",
+                     state_dtype, "; every state tensor of a call has one dtype");
   }
 }
 
@@ -146,7 +166,7 @@ inline void check_sgd_arguments(const char* op, at::TensorList params, at::Tenso
   check_stochastic_rounding(op, stochastic_rounding, master_params);
   check_positions(op, positions, params.size());
   if (momentum != 0.0) {
-    check_state(op, momentum_buffers, "momentum_buffers", params);
+    check_state(op, momentum_buffers, "momentum_buffers", params, state_dtype_of(momentum_buffers));
   } else {
     check_length(op, momentum_buffers, "momentum_buffers", 0, "momentum is 0");
   }
@@ -166,10 +186,11 @@ inline void check_adam_arguments(const char* op, at::TensorList params, at::Tens
   check_step_tensors(op, params, buffers, master_params);
   check_stochastic_rounding(op, stochastic_rounding, master_params);
   check_positions(op, positions, params.size());
-  check_state(op, exp_avgs, "exp_avgs", params);
-  check_state(op, exp_avg_sqs, "exp_avg_sqs", params);
+  const at::ScalarType state_dtype = state_dtype_of(exp_avgs);
+  check_state(op, exp_avgs, "exp_avgs", params, state_dtype);
+  check_state(op, exp_avg_sqs, "exp_avg_sqs", params, state_dtype);
   if (amsgrad) {
-    check_state(op, max_exp_avg_sqs, "max_exp_avg_sqs", params);
+    check_state(op, max_exp_avg_sqs, "max_exp_avg_sqs", params, state_dtype);
   } else {
     check_length(op, max_exp_avg_sqs, "max_exp_avg_sqs", 0, "amsgrad is False");
   }

@@ -37,6 +37,31 @@ inline Stochastic make_stochastic(bool enabled, int64_t seed, c10::ArrayRef<int6
   return sr;
 }
 
+// What the master_params list holds: nothing (kParam), fp32 master weights
+// (kMaster) or int16 remainders of bf16 params (kRemainder).
+struct Masters {
+  WeightsKind kind;
+  int64_t element_size;
+};
+
+inline Masters masters_of(at::TensorList master_params) {
+  if (master_params.empty()) return {WeightsKind::kParam, 0};
+  return master_params[0].scalar_type() == at::kShort ? Masters{WeightsKind::kRemainder, 2}
+                                                      : Masters{WeightsKind::kMaster, 4};
+}
+
+inline Dtype state_storage(at::ScalarType t) {
+  return t == at::kBFloat16 ? Dtype::kBFloat16 : Dtype::kFloat32;
+}
+
+// The weights kind of a step over params of `param_dtype`: the call's master
+// weights or remainders, else stochastic rounding for bf16 params where asked,
+// else round to nearest.
+inline WeightsKind step_weights_kind(Dtype param_dtype, const Masters& masters, const Stochastic& sr) {
+  if (masters.kind != WeightsKind::kParam) return masters.kind;
+  return sr.enabled && param_dtype == Dtype::kBFloat16 ? WeightsKind::kStochastic : WeightsKind::kParam;
+}
+
 struct AccumulateArgs {
   at::TensorList buffers;
   at::TensorList grads;
@@ -48,6 +73,8 @@ struct AccumulateArgs {
 
 struct SgdArgs {
   at::TensorList params, buffers, momentum_buffers, master_params;
+  Masters masters;
+  Dtype state_dtype;
   SgdHyper hyper;
   Momentum momentum;
   StepScale scale;
@@ -58,6 +85,8 @@ struct SgdArgs {
 struct AdamArgs {
   at::TensorList params, buffers, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
       master_params;
+  Masters masters;
+  Dtype state_dtype;
   AdamHyper hyper;
   StepScale scale;
   bool zero_buffers;
@@ -89,7 +118,8 @@ void sgd_entry(at::TensorList params, at::TensorList buffers, at::TensorList mom
   if (params.empty()) return;
   const Momentum mode = momentum == 0.0 ? Momentum::kNone
                                         : (is_first_step ? Momentum::kFirstStep : Momentum::kRunning);
-  Run({params, buffers, momentum_buffers, master_params,
+  Run({params, buffers, momentum_buffers, master_params, masters_of(master_params),
+       state_storage(state_dtype_of(momentum_buffers)),
        make_sgd_hyper(lr, momentum, dampening, weight_decay, nesterov), mode,
        StepScale{static_cast<float>(grad_scale), data_or_null(grad_scale_tensor),
                  data_or_null(found_inf)},
@@ -110,6 +140,7 @@ void adam_entry(at::TensorList params, at::TensorList buffers, at::TensorList ex
       stochastic_rounding, positions, grad_scale_tensor, found_inf);
   if (params.empty()) return;
   Run({params, buffers, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params,
+       masters_of(master_params), state_storage(state_dtype_of(exp_avgs)),
        make_adam_hyper(lr, beta1, beta2, eps, weight_decay, kAdamW, amsgrad),
        StepScale{static_cast<float>(grad_scale), data_or_null(grad_scale_tensor),
                  data_or_null(found_inf)},

@@ -80,22 +80,31 @@ def test_accumulate(backend, device, overwrite):
         assert_fp32_close(b, e, m)
 
 
-PARAM_KINDS = [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, False),
-               (torch.float16, True)]  # fmt: skip
-OPTIONS = ["plain", "maximize", "stochastic", "first-step", "keep-buffers", "amsgrad"]
+# (param dtype, master weights: False, True (fp32) or "remainders" (int16, bf16 params))
+PARAM_KINDS = [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True), (torch.bfloat16, "remainders"),
+               (torch.float16, False), (torch.float16, True)]  # fmt: skip
+OPTIONS = ["plain", "maximize", "stochastic", "first-step", "keep-buffers", "amsgrad", "bf16-state"]
 
 
-def _step_case(device, dtype, master):
+def _step_case(device, dtype, master, option="plain"):
+    from accumkernels.backends import reference
+
     sizes = [1, 31, 65537, 4099] + random_sizes(60)
     weights = _views(sizes, torch.float32, device)
-    params = [w.to(dtype) for w in weights]
+    state_dtype = torch.bfloat16 if option == "bf16-state" else torch.float32
+    if master == "remainders":
+        pairs = [reference.split_remainder(w) for w in weights]
+        params, masters = [p for p, _ in pairs], [r for _, r in pairs]
+    else:
+        params = [w.to(dtype) for w in weights]
+        masters = [p.float() for p in params] if master else None
     state = {
         "buffers": _views(sizes, torch.float32, device),
-        "a": [torch.rand_like(w) * 0.1 for w in weights],
-        "b": [torch.rand_like(w) * 0.01 for w in weights],
-        "c": [torch.rand_like(w) * 0.01 for w in weights],
+        "a": [(torch.rand_like(w) * 0.1).to(state_dtype) for w in weights],
+        "b": [(torch.rand_like(w) * 0.01).to(state_dtype) for w in weights],
+        "c": [(torch.rand_like(w) * 0.01).to(state_dtype) for w in weights],
         "steps": [torch.tensor(float(i % 5), device=device) for i in range(len(sizes))],
-        "masters": [p.float() for p in params] if master else None,
+        "masters": masters,
     }
     return params, state
 
@@ -131,7 +140,9 @@ def _step_cases():
                          ids=lambda v: {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(v, None)
                          if isinstance(v, torch.dtype) else ("master" if v is True else None if v is False else v))  # fmt: skip
 def test_steps_match_reference(backend, device, kind, dtype, master, option):
-    params, state = _step_case(device, dtype, master)
+    from accumkernels.backends import reference
+
+    params, state = _step_case(device, dtype, master, option)
     ref_params = [p.clone() for p in params]
     ref_state = {k: None if v is None else [t.clone() for t in v] for k, v in state.items()}
     _run(kind, backend, option, params, state)
@@ -142,10 +153,16 @@ def test_steps_match_reference(backend, device, kind, dtype, master, option):
         else:
             tol = 1e-6 if dtype == torch.float32 else torch.finfo(dtype).eps
             torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=1e-6)
+    if master == "remainders":  # the fp32 masters the (param, remainder) pairs hold
+        state["masters"] = [reference.join_remainder(p, r) for p, r in zip(params, state["masters"])]
+        ref_state["masters"] = [reference.join_remainder(p, r) for p, r in zip(ref_params, ref_state["masters"])]
+    # bf16 state is rounded stochastically with the same bits; the fp32 value may differ by an ulp.
+    state_tol = dict(rtol=2 * torch.finfo(torch.bfloat16).eps, atol=1e-7) if option == "bf16-state" else \
+        dict(rtol=2e-6, atol=1e-7)  # fmt: skip
     for key in ("a", "b", "c", "steps", "masters"):
         if state[key] is not None:
             for a, b in zip(state[key], ref_state[key]):
-                torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+                torch.testing.assert_close(a, b, **(state_tol if key in ("a", "b", "c") else dict(rtol=2e-6, atol=1e-7)))
     for a, b in zip(state["buffers"], ref_state["buffers"]):
         assert torch.equal(a, b), "buffers: cleared, or kept untouched with zero_buffers=False"
 
@@ -201,6 +218,13 @@ def _opcheck_cases(device):
     for op in ("adam_step_and_zero_", "adamw_step_and_zero_"):
         yield op, (lists(torch.bfloat16), lists(), lists(), [t.abs() for t in lists()], [t.abs() for t in lists()],
                    steps, [], 1e-3, 0.9, 0.999, 1e-8, 0.01, True, 1.0, scale, found, True, True, 7, [4, 2])  # fmt: skip
+    # bf16 state, and int16 remainders of bf16 params
+    rems = [torch.zeros(37, device=device, dtype=torch.int16), torch.zeros(5, 3, device=device, dtype=torch.int16)]
+    yield "sgd_step_and_zero_", (lists(torch.bfloat16), lists(), lists(torch.bfloat16), rems, 0.1, 0.9, 0.0, 0.01,
+                                 False, False, 1.0, None, found, True, False, 3, [])  # fmt: skip
+    yield "adamw_step_and_zero_", (lists(), lists(), lists(torch.bfloat16), [t.abs() for t in lists(torch.bfloat16)],
+                                   [], steps, [], 1e-3, 0.9, 0.999, 1e-8, 0.01, False, 1.0, scale, None, True, False,
+                                   5, [])  # fmt: skip
     yield "grad_norm", (lists(),)
 
 

@@ -34,6 +34,13 @@ def _opcheck_cases():
                    1e-3, 0.9, 0.999, 1e-8, 0.01, True, -1.0, scale, found, True, False, 0, [])  # fmt: skip
         yield op, (lists(torch.bfloat16), lists(), lists(), [t.abs() for t in lists()], [], steps, [],
                    1e-3, 0.9, 0.999, 1e-8, 0.0, False, 1.0, None, None, False, True, 7, [1, 0])  # fmt: skip
+    # bf16 state, and int16 remainders of bf16 params
+    rems = [torch.zeros(37, dtype=torch.int16), torch.zeros(5, 3, dtype=torch.int16)]
+    yield "sgd_step_and_zero_", (lists(torch.bfloat16), lists(), lists(torch.bfloat16), rems, 0.1, 0.9, 0.0, 0.01,
+                                 False, False, 1.0, None, found, True, False, 3, [])  # fmt: skip
+    yield "adamw_step_and_zero_", (lists(), lists(), lists(torch.bfloat16), [t.abs() for t in lists(torch.bfloat16)],
+                                   [], steps, [], 1e-3, 0.9, 0.999, 1e-8, 0.01, False, 1.0, scale, None, True, False,
+                                   5, [])  # fmt: skip
     yield "grad_norm", (lists(),)
 
 
@@ -91,6 +98,25 @@ ISA_CHECK = textwrap.dedent(
             ak.sgd_step_and_zero_(p, [buf[0].clone()], moms[0], lr=0.1, momentum=0.9, backend="cpu")
             ak.sgd_step_and_zero_(q, [buf[0].clone()], moms[1], lr=0.1, momentum=0.9, backend="reference")
             assert torch.equal(p[0], q[0]) and torch.equal(moms[0][0], moms[1][0]), (dtype, n)
+    # bf16 momentum (stochastically rounded) and bf16 params with int16 remainders:
+    # SGD's update rounds alike everywhere, so the same bits as the reference.
+    from accumkernels.backends import reference
+    for n in (1, 7, 65537, 200003):
+        for sr in (False, True):
+            w = torch.randn(n)
+            p, r = reference.split_remainder(w)
+            buf, mom = torch.randn(n), torch.randn(n).bfloat16()
+            runs = []
+            for backend in ("cpu", "reference"):
+                ps = [p.clone() if not sr else w.bfloat16()]
+                extra = None if sr else [r.clone()]
+                moms = [mom.clone()]
+                ak.sgd_step_and_zero_(ps, [buf.clone()], moms, lr=0.1, momentum=0.9, weight_decay=0.01,
+                                      master_params=extra, stochastic_rounding=sr, seed=4242, backend=backend)
+                runs.append((ps[0], moms[0], extra[0] if extra else None))
+            (a, ma, ra), (b, mb, rb) = runs
+            assert torch.equal(a, b) and torch.equal(ma, mb), ("bf16 state", sr, n)
+            assert sr or torch.equal(ra, rb), ("remainders", n)
     xs = [torch.randn(300001)]
     assert abs(ak.grad_norm(xs, backend="cpu").item() - xs[0].double().norm().item()) < 1e-3
     print("ok")

@@ -389,3 +389,200 @@ def test_stochastic_rounding_streams_follow_positions(backend):
 
     assert torch.equal(rounded(11), rounded(11, first=True)), "the same stream id, the same bits, whatever the call"
     assert not torch.equal(rounded(11), rounded(12)), "another stream id, other bits"
+
+
+# ---- optimizer state in bf16 -------------------------------------------------
+
+
+def _bf16_ulp(x64: torch.Tensor) -> torch.Tensor:
+    """The spacing of bf16 values near x (an upper bound: |x| * 2^-7, or the smallest subnormal step)."""
+    return (x64.abs() * 2.0**-7).clamp_min(2.0**-133)
+
+
+def _state_lists(n_list, dtype, count=1, scale=1.0, positive=False):
+    out = []
+    for _ in range(count):
+        ts = [randn(n, torch.float32) * scale for n in n_list]
+        out.append([(t.abs() if positive else t).to(dtype) for t in ts])
+    return out
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("first", [False, True], ids=["running", "first-step"])
+def test_sgd_bf16_momentum_same_bits_as_reference(backend, param_dtype, first):
+    """SGD's update rounds the same way in every backend (test_sgd_matches_float64),
+    so the bf16 momentum buffer, rounded stochastically with its own slot's
+    bits, must be bitwise the reference's; it lies within one bf16 ulp of the
+    float64 value, its neighbours."""
+    sizes = [1, 31, 65537, 70001]
+    params = [randn(n, torch.float32).to(param_dtype) for n in sizes]
+    buffers = [randn(n, torch.float32) for n in sizes]
+    (moms,) = _state_lists(sizes, torch.bfloat16)
+    runs = {}
+    for name in (backend, "reference"):
+        p, b, m = [x.clone() for x in params], [x.clone() for x in buffers], [x.clone() for x in moms]
+        ak.sgd_step_and_zero_(p, b, m, lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01, is_first_step=first,
+                              stochastic_rounding=param_dtype == torch.bfloat16, seed=99, backend=name)  # fmt: skip
+        runs[name] = (p, m)
+        assert all(not x.any() for x in b)
+    for i in range(len(sizes)):
+        assert torch.equal(runs[backend][0][i], runs["reference"][0][i]), "params"
+        assert torch.equal(runs[backend][1][i], runs["reference"][1][i]), "bf16 momentum"
+        g = buffers[i].double() + 0.01 * params[i].double()
+        exact = g if first else 0.9 * moms[i].double() + 0.9 * g
+        assert ((runs[backend][1][i].double() - exact).abs() <= _bf16_ulp(exact) + 1e-6 * g.abs()).all()
+
+
+@pytest.mark.parametrize("adamw,amsgrad", [(False, False), (True, False), (True, True)],
+                         ids=["adam", "adamw", "adamw-amsgrad"])  # fmt: skip
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_adam_bf16_state_against_float64_and_reference(backend, param_dtype, adamw, amsgrad):
+    """Adam's moments in bf16: each within one bf16 ulp of its float64 value
+    (stochastic rounding picks a neighbour), the params as with fp32 state up to
+    the moments' rounding, and the same bits as the reference except where the
+    two backends' fp32 values differ by an ulp (the bias corrections' pow)."""
+    sizes = [1, 7, 65537, 4099]
+    params = [randn(n, torch.float32).to(param_dtype) for n in sizes]
+    buffers = [randn(n, torch.float32) for n in sizes]
+    m0, v0, vmax0 = (_state_lists(sizes, torch.bfloat16, scale=s, positive=pos)[0]
+                     for s, pos in ((0.1, False), (0.01, True), (0.01, True)))  # fmt: skip
+    hyper = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, amsgrad=amsgrad)
+    fn = ak.adamw_step_and_zero_ if adamw else ak.adam_step_and_zero_
+    runs = {}
+    for name in (backend, "reference"):
+        p, m, v, vm = ([x.clone() for x in xs] for xs in (params, m0, v0, vmax0))
+        steps = [torch.tensor(4.0) for _ in sizes]
+        fn(p, [b.clone() for b in buffers], m, v, steps, max_exp_avg_sqs=vm if amsgrad else None, seed=1234,
+           stochastic_rounding=param_dtype == torch.bfloat16, backend=name, **hyper)  # fmt: skip
+        runs[name] = (p, m, v, vm)
+        assert all(s.item() == 5.0 for s in steps)
+    for i in range(len(sizes)):
+        g = buffers[i].double()
+        w = params[i].double()
+        if not adamw:
+            g = g + 0.1 * w
+        m64 = 0.9 * m0[i].double() + 0.1 * g
+        v64 = 0.95 * v0[i].double() + 0.05 * g * g
+        for got, want, name in ((runs[backend][1][i], m64, "exp_avg"), (runs[backend][2][i], v64, "exp_avg_sq")):
+            assert got.dtype == torch.bfloat16
+            err = (got.double() - want).abs()
+            assert (err <= _bf16_ulp(want) + 8 * 2.0**-24 * (want.abs() + g.abs() * g.abs())).all(), name
+    slots = ((0, "params"), (1, "exp_avg"), (2, "exp_avg_sq")) + (((3, "max_exp_avg_sq"),) if amsgrad else ())
+    for k, name in slots:
+        ours, ref = (torch.cat([t.double() for t in runs[r][k]]) for r in (backend, "reference"))
+        assert ((ours - ref).abs() <= _bf16_ulp(ref) + 1e-6 * ref.abs()).all(), name
+        if k:  # the state, rounded stochastically: other bits only where the fp32 values differed
+            assert (ours == ref).double().mean() > 0.99, f"{name}: other bits than the reference"
+
+
+def test_bf16_state_rounding_keeps_small_updates(backend):
+    """exp_avg_sq with beta2 = 0.999 moves by 1e-3 of its value per step, a
+    quarter of a bf16 ulp: round to nearest would never move it; stochastic
+    rounding moves it by the right amount on average, unbiased."""
+    n = 200003
+    v = torch.full((n,), 1.0).bfloat16()
+    m = torch.zeros(n).bfloat16()
+    g = torch.full((n,), 2.0)  # g^2 = 4: v64 = 0.999 * 1 + 0.001 * 4 = 1.003
+    p = [torch.zeros(n)]
+    ak.adam_step_and_zero_(p, [g], [m], [v], [torch.tensor(0.0)], lr=1e-3, betas=(0.9, 0.999), seed=7,
+                           backend=backend)  # fmt: skip
+    assert set(v.unique().tolist()) == {1.0, 1.0078125}, "each element is one of the two bf16 neighbours"
+    assert abs(v.double().mean().item() - 1.003) < 2e-4
+
+
+def test_state_dtype_is_one_per_call(backend):
+    p = [torch.randn(4), torch.randn(4)]
+    with pytest.raises(TypeError, match="one dtype"):
+        ak.adam_step_and_zero_(p, [torch.randn(4), torch.randn(4)], [torch.zeros(4), torch.zeros(4).bfloat16()],
+                               [torch.zeros(4), torch.zeros(4)], [torch.tensor(0.0)] * 2, backend=backend)  # fmt: skip
+    with pytest.raises(TypeError, match="float32, bfloat16"):
+        ak.sgd_step_and_zero_(p[:1], [torch.randn(4)], [torch.zeros(4).half()], lr=0.1, momentum=0.9, backend=backend)
+
+
+# ---- param remainders: fp32 master weights in 16 more bits ------------------
+
+
+def _random_fp32(n: int) -> torch.Tensor:
+    """fp32 values over the whole range, with zeros, subnormals, the largest
+    finite values and the rounding edges of the low 16 bits among them."""
+    x = torch.randn(n) * torch.exp2(torch.randint(-60, 60, (n,)).float())
+    bits = x.view(torch.int32)
+    edges = torch.tensor([0x00000000, 0x80000000, 0x00000001, 0x00008000, 0x3F7F7FFF, 0x3F7F8000, 0x3F7FFFFF,
+                          0xBF7FFFFF - 2**32, 0x7F7FFFFF, 0x7F7F8000, 0x7F7E8000, 0x0000FFFF], dtype=torch.int64)
+    bits[: len(edges)] = edges.to(torch.int32)
+    return x
+
+
+def test_remainders_hold_every_fp32_value():
+    """split, then join, gives back every finite fp32 value and infinity bit
+    for bit (NaN stays NaN); the bf16 half is the value rounded to nearest
+    (ties away from zero)."""
+    from accumkernels.backends import reference
+
+    x = torch.cat([_random_fp32(100003), torch.tensor([float("inf"), float("-inf"), float("nan")])])
+    param, remainder = reference.split_remainder(x)
+    back = reference.join_remainder(param, remainder)
+    finite = ~x.isnan()
+    assert torch.equal(back[finite].view(torch.int32), x[finite].view(torch.int32))
+    assert back[~finite].isnan().all() and param[~finite].isnan().all()
+    ok = x.isfinite() & param.isfinite()
+    err = (param[ok].double() - x[ok].double()).abs()
+    assert (err <= x[ok].double().abs() * 2.0**-8 + 2.0**-134).all(), "the param half is rounded to nearest"
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_remainders_step_like_fp32_masters_bit_for_bit(backend, kind):
+    """The same step from fp32 master weights and from (bf16 param, int16
+    remainder) pairs holding the same masters: the remainder's master is the
+    fp32 master, bit for bit; its param is that master rounded to nearest."""
+    from accumkernels.backends import reference
+
+    sizes = [1, 33, 65537, 4099]
+    masters = [randn(n, torch.float32) for n in sizes]
+    buffers = [randn(n, torch.float32) for n in sizes]
+    pairs = [reference.split_remainder(m) for m in masters]
+    results = []
+    for use_remainders in (False, True):
+        params = [p.clone() if use_remainders else m.bfloat16() for (p, _), m in zip(pairs, masters)]
+        extra = [r.clone() for _, r in pairs] if use_remainders else [m.clone() for m in masters]
+        state = [[torch.zeros(n) for n in sizes] for _ in range(2)]
+        if kind == "sgd":
+            ak.sgd_step_and_zero_(params, [b.clone() for b in buffers], state[0], lr=0.1, momentum=0.9,
+                                  weight_decay=0.01, master_params=extra, backend=backend)  # fmt: skip
+        else:
+            ak.adamw_step_and_zero_(params, [b.clone() for b in buffers], state[0], state[1],
+                                    [torch.tensor(0.0) for _ in sizes], lr=1e-2, master_params=extra,
+                                    backend=backend)  # fmt: skip
+        results.append((params, extra, state))
+    (_, fp32_masters, fp32_state), (params, remainders, state) = results
+    for i in range(len(sizes)):
+        joined = reference.join_remainder(params[i], remainders[i])
+        assert torch.equal(joined.view(torch.int32), fp32_masters[i].view(torch.int32)), "the master, bit for bit"
+        assert torch.equal(params[i], reference.split_remainder(fp32_masters[i])[0])
+        assert torch.equal(state[0][i], fp32_state[0][i])
+
+
+def test_remainders_round_trip_in_every_backend(backend):
+    """lr = 0: w - 0 * g = w, so every weight passes through join and split
+    unchanged (a step with +1 gradients keeps -0 too), whatever its bits."""
+    from accumkernels.backends import reference
+
+    x = _random_fp32(70001)
+    param, remainder = reference.split_remainder(x)
+    p, r = [param.clone()], [remainder.clone()]
+    ak.sgd_step_and_zero_(p, [torch.ones(x.numel())], lr=0.0, master_params=r, backend=backend)
+    assert torch.equal(p[0].view(torch.int16), param.view(torch.int16))
+    assert torch.equal(r[0], remainder)
+
+
+def test_remainders_are_for_bf16_params(backend):
+    with pytest.raises(TypeError, match="remainders are for bfloat16"):
+        ak.sgd_step_and_zero_([torch.randn(4).half()], [torch.randn(4)], lr=0.1,
+                              master_params=[torch.zeros(4, dtype=torch.int16)], backend=backend)  # fmt: skip
+    with pytest.raises(TypeError, match="one kind of master weights"):
+        ak.sgd_step_and_zero_([torch.randn(4).bfloat16()] * 1 + [torch.randn(4).bfloat16()], [torch.randn(4)] * 2,
+                              lr=0.1, master_params=[torch.zeros(4), torch.zeros(4, dtype=torch.int16)],
+                              backend=backend)  # fmt: skip
+    with pytest.raises(ValueError, match="exclude"):
+        ak.sgd_step_and_zero_([torch.randn(4).bfloat16()], [torch.randn(4)], lr=0.1, stochastic_rounding=True,
+                              master_params=[torch.zeros(4, dtype=torch.int16)], backend=backend)  # fmt: skip

@@ -56,11 +56,44 @@ def accumulate_(*, buffers, grads, scale, scale_tensor, overwrite, found_inf):
             buffer.add_(g.reshape(buffer.shape) * s)
 
 
-def _weights(param, master):
-    return master if master is not None else param.float()
-
-
 _M32 = 0xFFFFFFFF
+
+
+def _weights(param, master):
+    """The fp32 weights: the master copy, the bf16 param joined with its int16
+    remainder, or the param."""
+    if master is None:
+        return param.float()
+    if master.dtype == torch.int16:
+        return join_remainder(param, master)
+    return master
+
+
+def _as_int16(bits: torch.Tensor) -> torch.Tensor:
+    """16-bit patterns held in int64 -> an int16 tensor of those bits."""
+    return torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16)
+
+
+def _as_float32(bits: torch.Tensor) -> torch.Tensor:
+    """32-bit patterns held in int64 -> an fp32 tensor of those bits."""
+    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
+
+
+def join_remainder(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    """formulas.h's join_remainder: a bf16 param and its int16 remainder -> the fp32 master."""
+    p = param.view(torch.int16).to(torch.int64) & 0xFFFF
+    r = remainder.to(torch.int64) & 0xFFFF
+    return _as_float32((((p - (r >> 15)) & 0xFFFF) << 16) | r)
+
+
+def split_remainder(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """formulas.h's remainder_param and remainder_bits: fp32 w -> (bf16 param, int16 remainder)."""
+    u = w.view(torch.int32).to(torch.int64) & _M32
+    rounded = ((u >> 16) + ((u >> 15) & 1)) & 0xFFFF
+    special = (u & 0x7F800000) == 0x7F800000
+    nearest = w.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+    param = _as_int16(torch.where(special, nearest, rounded)).view(torch.bfloat16)
+    return param, _as_int16(u & 0xFFFF)
 
 
 def sr_random(seed, stream, index):
@@ -80,6 +113,17 @@ def sr_random(seed, stream, index):
     return x ^ (x >> 16)
 
 
+def sr_slot_seed(seed: int, slot: int) -> int:
+    """formulas.h's sr_slot_seed: the seed of rounding slot ``slot`` (0 the
+    param, 1 the momentum buffer or exp_avg, 2 exp_avg_sq, 3 max_exp_avg_sq)."""
+    return (seed + 0x9E3779B9) & 0xFFFFFFFF if slot in (1, 2) else seed
+
+
+def sr_slot_shift(slot: int) -> int:
+    """formulas.h's sr_slot_shift: slot ``slot`` uses the bits of its hash from this one up."""
+    return 16 if slot >= 2 else 0
+
+
 def memory_order_index(t: torch.Tensor) -> torch.Tensor:
     """Each element's index in the memory order of dense ``t`` (int64, t's shape):
     the element index the kernels hash for stochastic rounding."""
@@ -94,14 +138,16 @@ def float_to_bf16_stochastic(w: torch.Tensor, random: torch.Tensor) -> torch.Ten
     stochastic = (bits + (random & 0xFFFF)) >> 16
     nearest = w.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
     special = (bits & 0x7F800000) == 0x7F800000
-    out = torch.where(special, nearest, stochastic)
-    out = torch.where(out >= 0x8000, out - 0x10000, out)  # as signed 16-bit
-    return out.to(torch.int16).view(torch.bfloat16)
+    return _as_int16(torch.where(special, nearest, stochastic)).view(torch.bfloat16)
 
 
 def _store_weights(param, master, new, skip, sr=None) -> None:
     """sr: (seed, stream id) to round bf16 params stochastically."""
-    if master is not None:
+    if master is not None and master.dtype == torch.int16:
+        rounded, remainder = split_remainder(new.float())
+        _commit(master, remainder, skip)
+        _commit(param, rounded, skip)
+    elif master is not None:
         _commit(master, new, skip)
         _commit(param, master, None)
     elif sr is not None and param.dtype == torch.bfloat16:
@@ -109,6 +155,15 @@ def _store_weights(param, master, new, skip, sr=None) -> None:
         _commit(param, float_to_bf16_stochastic(new.float(), random), skip)
     else:
         _commit(param, new, skip)
+
+
+def _store_state(state, new, skip, seed: int, stream: int, slot: int) -> None:
+    """formulas.h's State::store: fp32 as is, bf16 rounded stochastically with
+    the bits of rounding slot ``slot``."""
+    if state.dtype == torch.bfloat16:
+        random = sr_random(sr_slot_seed(seed, slot), stream, memory_order_index(state)) >> sr_slot_shift(slot)
+        new = float_to_bf16_stochastic(new.float(), random)
+    _commit(state, new, skip)
 
 
 def _lerp(start, end, weight: float):
@@ -124,8 +179,12 @@ def _zero(buffers, zero_buffers: bool) -> None:
             buffer.zero_()
 
 
+def _stream(positions: list[int], i: int) -> int:
+    return positions[i] if positions else i
+
+
 def _stochastic(stochastic_rounding: bool, seed: int, positions: list[int], i: int):
-    return (seed, positions[i] if positions else i) if stochastic_rounding else None
+    return (seed, _stream(positions, i)) if stochastic_rounding else None
 
 
 def sgd_step_and_zero_(*, params, buffers, momentum_buffers, master_params, lr, momentum, dampening, weight_decay,
@@ -142,9 +201,9 @@ def sgd_step_and_zero_(*, params, buffers, momentum_buffers, master_params, lr, 
             g = g + weight_decay * p
         if momentum != 0:
             b = momentum_buffers[i]
-            new_b = g if is_first_step else momentum * b + (1.0 - dampening) * g
+            new_b = g if is_first_step else momentum * b.float() + (1.0 - dampening) * g
             g = g + momentum * new_b if nesterov else new_b
-            _commit(b, new_b, skip)
+            _store_state(b, new_b, skip, seed, _stream(positions, i), 1)
         _store_weights(param, master, p - lr * g, skip, _stochastic(stochastic_rounding, seed, positions, i))
     _zero(buffers, zero_buffers)
 
@@ -168,16 +227,17 @@ def _adam(adamw, *, params, buffers, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, sta
         t = new_step.to(_math_dtype(step.device))
         step_size = (lr / (1.0 - beta1**t)).float()
         bias_correction2_sqrt = torch.sqrt(1.0 - beta2**t).float()
-        new_m = _lerp(m, g, 1.0 - beta1)
-        new_v = beta2 * v + (1.0 - beta2) * (g * g)
+        stream = _stream(positions, i)
+        new_m = _lerp(m.float(), g, 1.0 - beta1)
+        new_v = beta2 * v.float() + (1.0 - beta2) * (g * g)
         v_hat = new_v
         if amsgrad:
-            v_hat = torch.maximum(max_exp_avg_sqs[i], new_v)
-            _commit(max_exp_avg_sqs[i], v_hat, skip)
+            v_hat = torch.maximum(max_exp_avg_sqs[i].float(), new_v)
+            _store_state(max_exp_avg_sqs[i], v_hat, skip, seed, stream, 3)
         denom = torch.sqrt(v_hat) / bias_correction2_sqrt + eps
         new_p = p - step_size * (new_m / denom)
-        _commit(m, new_m, skip)
-        _commit(v, new_v, skip)
+        _store_state(m, new_m, skip, seed, stream, 1)
+        _store_state(v, new_v, skip, seed, stream, 2)
         _commit(step, new_step, skip)
         _store_weights(param, master, new_p, skip, _stochastic(stochastic_rounding, seed, positions, i))
     _zero(buffers, zero_buffers)

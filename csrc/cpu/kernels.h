@@ -22,37 +22,39 @@ struct AccumulateChunk {
   int64_t n;
 };
 
-// What every step chunk shares: the weights (param, optional master) and
-// where the chunk sits, for the bits of stochastic rounding.
+// What every step chunk shares: the weights (param, optional master weights
+// or remainders) and where the chunk sits, for the bits of stochastic rounding.
 struct WeightsChunk {
   void* param;
-  float* master;    // nullptr: the param itself holds the weights
+  void* master;     // fp32 masters or int16 remainders (by StepCall::weights); else nullptr
   uint32_t stream;  // the param's stream id
-  int64_t first;    // index of the chunk's first element in the param
+  int64_t first;    // index of the chunk's first element in the param (chunks
+                    // never cross a multiple of 2^32: see SrChunk)
 };
 
 struct StepCall {
   Dtype param_dtype;
-  bool master;
-  bool stochastic;  // bf16 params without master weights only
+  WeightsKind weights;
+  Dtype state_dtype;  // of every state tensor of the call: fp32 or bf16
   uint32_t seed;
   float grad_scale;  // grad_scale * grad_scale_tensor, read once per call
   bool zero_buffers;
 };
 
+// State pointers are of StepCall::state_dtype.
 struct SgdChunk {
   WeightsChunk weights;
   float* buffer;
-  float* momentum_buffer;  // nullptr when momentum == 0
+  void* momentum_buffer;  // nullptr when momentum == 0
   int64_t n;
 };
 
 struct AdamChunk {
   WeightsChunk weights;
   float* buffer;
-  float* exp_avg;
-  float* exp_avg_sq;
-  float* max_exp_avg_sq;  // nullptr unless amsgrad
+  void* exp_avg;
+  void* exp_avg_sq;
+  void* max_exp_avg_sq;  // nullptr unless amsgrad
   int64_t n;
   AdamStepScalars scalars;
 };

@@ -3,9 +3,9 @@
 // accumkernels::cpu::AK_CPU_ISA so the variants never share a symbol. The
 // loops are plain `#pragma omp simd` loops over the formulas of formulas.h;
 // the compiler vectorizes them at the width of the target ISA. Template
-// parameters are what changes the loop's loads and stores (storage dtype,
-// master weights, stochastic rounding, momentum mode, zeroing) and, for Adam,
-// the update's flags (see StaticAdamFlags); SGD's flags are plain values.
+// parameters are what changes the loop's loads and stores (param dtype,
+// weights kind, state dtype, momentum mode, zeroing) and, for Adam, the
+// update's flags (see StaticAdamFlags); SGD's flags are plain values.
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -46,21 +46,24 @@ bool accumulate_chunk(const AccumulateCall& call, const AccumulateChunk& c) {
   return nonfinite;
 }
 
-template <Dtype P, bool kMaster, bool kStochastic>
-Weights<P, kMaster, kStochastic> weights(const StepCall& call, const WeightsChunk& c) {
-  return {static_cast<typename Storage<P>::type*>(c.param), c.master, call.seed, c.stream, c.first};
+template <Dtype P, WeightsKind K>
+Weights<P, K> weights(const WeightsChunk& c) {
+  return {static_cast<typename Storage<P>::type*>(c.param), c.master};
 }
 
-// Calls f(Weights<...>{...}) with the weights type of this call.
+template <Dtype S, uint32_t kSlot>
+State<S, kSlot> state(void* data) {
+  return {static_cast<typename Storage<S>::type*>(data)};
+}
+
+// Calls f(Weights<...>{...}, std::integral_constant<Dtype, S>) with the
+// weights type and state dtype of this call.
 template <typename F>
 void with_weights(const StepCall& call, const WeightsChunk& c, F&& f) {
   with_dtype(call.param_dtype, [&](auto p) {
     constexpr Dtype P = decltype(p)::value;
-    with_bool(call.master, [&](auto master) {
-      constexpr bool kMaster = decltype(master)::value;
-      with_stochastic<P, kMaster>(call.stochastic, [&](auto sr) {
-        f(weights<P, kMaster, decltype(sr)::value>(call, c));
-      });
+    with_weights_kind<P>(call.weights, [&](auto kind) {
+      with_state_dtype(call.state_dtype, [&](auto s) { f(weights<P, decltype(kind)::value>(c), s); });
     });
   });
 }
@@ -68,66 +71,77 @@ void with_weights(const StepCall& call, const WeightsChunk& c, F&& f) {
 // The hyperparameters are copied into locals: read through a reference they
 // might alias the arrays the loop writes, and the compiler would reload them
 // (and branch on their flags) on every element instead of vectorizing.
-template <Momentum kMomentum, bool kZero, typename W>
-void sgd_loop(const W& weights_in, const SgdChunk& c, float grad_scale, const SgdHyper& hyper) {
+template <Momentum kMomentum, bool kZero, typename W, typename St>
+void sgd_loop(const W& weights_in, const St& momentum_in, const SrChunk& sr_in, const SgdChunk& c,
+              float grad_scale, const SgdHyper& hyper) {
   const SgdHyper h = hyper;
   const W w = weights_in;
+  const St mom = momentum_in;
+  const SrChunk sr = sr_in;
   float* AK_RESTRICT buffer = c.buffer;
-  float* AK_RESTRICT momentum_buffer = c.momentum_buffer;
 #pragma omp simd
   for (int64_t i = 0; i < c.n; ++i) {
     const float g = grad_scale * buffer[i];
-    float b = kMomentum == Momentum::kRunning ? momentum_buffer[i] : 0.0f;
-    w.store(i, sgd_update<kMomentum>(w.load(i), g, b, h));
-    if (kMomentum != Momentum::kNone) momentum_buffer[i] = b;
+    float b = kMomentum == Momentum::kRunning ? mom.load(i) : 0.0f;
+    w.store(i, sgd_update<kMomentum>(w.load(i), g, b, h), sr);
+    if (kMomentum != Momentum::kNone) mom.store(i, b, sr);
     if (kZero) buffer[i] = 0.0f;
   }
 }
 
 void sgd_chunk(const StepCall& call, const SgdHyper& h, Momentum momentum, const SgdChunk& c) {
-  with_weights(call, c.weights, [&](const auto& w) {
+  const SrChunk sr = sr_chunk(call.seed, c.weights.stream, c.weights.first);
+  with_weights(call, c.weights, [&](const auto& w, auto s) {
+    const auto mom = state<decltype(s)::value, 1>(c.momentum_buffer);
     with_momentum(momentum, [&](auto mode) {
       with_bool(call.zero_buffers, [&](auto zero) {
-        sgd_loop<decltype(mode)::value, decltype(zero)::value>(w, c, call.grad_scale, h);
+        sgd_loop<decltype(mode)::value, decltype(zero)::value>(w, mom, sr, c, call.grad_scale, h);
       });
     });
   });
 }
 
-template <typename Flags, bool kZero, typename W>
-void adam_loop(const W& weights_in, const AdamChunk& c, float grad_scale, const AdamHyper& hyper) {
+template <typename Flags, bool kZero, typename W, typename M, typename V, typename VMax>
+void adam_loop(const W& weights_in, const M& m_in, const V& v_in, const VMax& v_max_in, const SrChunk& sr_in,
+               const AdamChunk& c, float grad_scale, const AdamHyper& hyper) {
   constexpr bool kAmsgrad = Flags::amsgrad;
   constexpr Flags flags{};
   const AdamHyper h = hyper;
   const W w = weights_in;
+  const M exp_avg = m_in;
+  const V exp_avg_sq = v_in;
+  const VMax max_exp_avg_sq = v_max_in;
+  const SrChunk sr = sr_in;
   float* AK_RESTRICT buffer = c.buffer;
-  float* AK_RESTRICT exp_avg = c.exp_avg;
-  float* AK_RESTRICT exp_avg_sq = c.exp_avg_sq;
-  float* AK_RESTRICT max_exp_avg_sq = c.max_exp_avg_sq;
   const AdamStepScalars s = c.scalars;
 #pragma omp simd
   for (int64_t i = 0; i < c.n; ++i) {
     const float g = grad_scale * buffer[i];
-    float m = exp_avg[i];
-    float v = exp_avg_sq[i];
-    float v_max = kAmsgrad ? max_exp_avg_sq[i] : 0.0f;
-    w.store(i, adam_update(w.load(i), g, m, v, v_max, h, s, flags));
-    exp_avg[i] = m;
-    exp_avg_sq[i] = v;
-    if (kAmsgrad) max_exp_avg_sq[i] = v_max;
+    float m = exp_avg.load(i);
+    float v = exp_avg_sq.load(i);
+    float v_max = kAmsgrad ? max_exp_avg_sq.load(i) : 0.0f;
+    w.store(i, adam_update(w.load(i), g, m, v, v_max, h, s, flags), sr);
+    exp_avg.store(i, m, sr);
+    exp_avg_sq.store(i, v, sr);
+    if (kAmsgrad) max_exp_avg_sq.store(i, v_max, sr);
     if (kZero) buffer[i] = 0.0f;
   }
 }
 
 void adam_chunk(const StepCall& call, const AdamHyper& h, const AdamChunk& c) {
-  with_weights(call, c.weights, [&](const auto& w) {
+  const SrChunk sr = sr_chunk(call.seed, c.weights.stream, c.weights.first);
+  with_weights(call, c.weights, [&](const auto& w, auto state_dtype) {
+    constexpr Dtype S = decltype(state_dtype)::value;
+    const auto m = state<S, 1>(c.exp_avg);
+    const auto v = state<S, 2>(c.exp_avg_sq);
+    const auto v_max = state<S, 3>(c.max_exp_avg_sq);
     with_bool(h.adamw, [&](auto adamw) {
       with_bool(h.amsgrad, [&](auto amsgrad) {
         with_bool(h.has_weight_decay, [&](auto wd) {
           with_bool(call.zero_buffers, [&](auto zero) {
             using Flags = StaticAdamFlags<decltype(adamw)::value, decltype(amsgrad)::value,
                                           decltype(wd)::value>;
-            adam_loop<Flags, decltype(zero)::value>(w, c, call.grad_scale, h);
+            adam_loop<Flags, decltype(zero)::value>(w, m, v, v_max, sr, c, call.grad_scale, h);
           });
         });
       });

@@ -19,26 +19,44 @@ inline float* f32_at(const std::vector<void*>& ptrs, size_t t, int64_t offset) {
 }
 
 // The scalars of a step call over dtype group `g`.
-inline StepCall step_call(const DtypeGroup& g, bool master, const Stochastic& sr, float grad_scale,
-                          bool zero_buffers) {
-  return {g.dtype, master, sr.enabled && g.dtype == Dtype::kBFloat16 && !master, sr.seed,
-          grad_scale, zero_buffers};
+inline StepCall step_call(const DtypeGroup& g, const Masters& masters, const Stochastic& sr,
+                          Dtype state_dtype, float grad_scale, bool zero_buffers) {
+  return {g.dtype, step_weights_kind(g.dtype, masters, sr), state_dtype, sr.seed, grad_scale, zero_buffers};
 }
 
 // The weights of tensor t of group `g` from element `offset` on; list 0 holds
-// the params, list 1 the master weights.
-inline WeightsChunk weights_at(const DtypeGroup& g, const Stochastic& sr, size_t t, int64_t offset) {
+// the params, list 1 the master weights or remainders.
+inline WeightsChunk weights_at(const DtypeGroup& g, const Masters& masters, const Stochastic& sr, size_t t,
+                               int64_t offset) {
   const int64_t element = g.dtype == Dtype::kFloat32 ? 4 : 2;
-  return {static_cast<char*>(g.pointers[0][t]) + offset * element, f32_at(g.pointers[1], t, offset),
-          sr.streams[g.indices[t]], offset};
+  void* master = g.pointers[1][t] == nullptr
+                     ? nullptr
+                     : static_cast<char*>(g.pointers[1][t]) + offset * masters.element_size;
+  return {static_cast<char*>(g.pointers[0][t]) + offset * element, master, sr.streams[g.indices[t]], offset};
 }
 
-// Runs f(tensor in group, offset, length) over every chunk of the group, in parallel.
+// A state pointer into list `ptrs` at element `offset`, or nullptr for an absent list.
+inline void* state_at(const std::vector<void*>& ptrs, size_t t, int64_t offset, Dtype state_dtype) {
+  const int64_t element = state_dtype == Dtype::kFloat32 ? 4 : 2;
+  return ptrs[t] == nullptr ? nullptr : static_cast<char*>(ptrs[t]) + offset * element;
+}
+
+// Runs f(tensor in group, offset, length) over every chunk of the group, in
+// parallel. A piece never crosses a multiple of 2^32 elements of its tensor, so
+// that its element indices share their high 32 bits (formulas.h's SrChunk).
 template <typename F>
 void for_each_chunk(const DtypeGroup& g, F&& f) {
   const FlatIndex index(g.numels);
   index.parallel_for_chunks([&](int64_t, int64_t begin, int64_t end) {
-    index.for_each_segment(begin, end, f);
+    index.for_each_segment(begin, end, [&](size_t t, int64_t offset, int64_t length) {
+      const int64_t boundary = ((offset >> 32) + 1) << 32;  // the next multiple of 2^32
+      if (offset + length > boundary) {
+        f(t, offset, boundary - offset);
+        f(t, boundary, offset + length - boundary);
+      } else {
+        f(t, offset, length);
+      }
+    });
   });
 }
 

@@ -26,54 +26,54 @@ struct IncrementStep {
   }
 };
 
-template <Dtype P, bool kMaster, bool kStochastic>
+template <Dtype P, WeightsKind K, Dtype S>
 struct AdamFunctor {
   __device__ void operator()(const Meta<kLists>& meta, int t, int64_t start, int64_t n, int,
                              AdamHyper h, StepScale scale, bool zero_buffers, uint32_t seed) {
-    using T = typename Storage<P>::type;
-    constexpr int N = kVec<T>;
+    constexpr int N = kStepVec<P, S>;
     float* buffer = chunk_floats(meta, 2, t, start);
     if (scale.skip()) {
       if (zero_buffers) zero_chunk(buffer, n);
       return;
     }
-    const auto w = chunk_weights<P, kMaster, kStochastic>(meta, t, start, seed);
-    float* exp_avg = chunk_floats(meta, 3, t, start);
-    float* exp_avg_sq = chunk_floats(meta, 4, t, start);
-    float* max_sq = h.amsgrad ? chunk_floats(meta, 5, t, start) : nullptr;
+    const auto w = chunk_weights<P, K>(meta, t, start);
+    const auto exp_avg = chunk_state<S, 1>(meta, 3, t, start);
+    const auto exp_avg_sq = chunk_state<S, 2>(meta, 4, t, start);
+    const auto max_sq = chunk_state<S, 3>(meta, 5, t, start);
+    const SrChunk sr = chunk_draws(meta, t, start, seed);
     const float step = *static_cast<const float*>(meta.addresses[6][t]);
     const AdamStepScalars s = adam_bias_corrections(h, step);
     const float gs = scale.scale();
     const AdamFlags flags = adam_flags(h);
     const bool vector_ok = aligned_for_packs<N>(w) && aligned<float, N>(buffer) &&
-                           aligned<float, N>(exp_avg) && aligned<float, N>(exp_avg_sq) &&
-                           (!h.amsgrad || aligned<float, N>(max_sq));
+                           aligned_for_packs<N>(exp_avg) && aligned_for_packs<N>(exp_avg_sq) &&
+                           (!h.amsgrad || aligned_for_packs<N>(max_sq));
     for_chunk<N>(
         n, vector_ok,
         [&](int64_t i) {
           float g[N], m[N], v[N], vm[N] = {}, p[N];
           load_pack<N>(g, buffer, i);
-          load_pack<N>(m, exp_avg, i);
-          load_pack<N>(v, exp_avg_sq, i);
-          if (h.amsgrad) load_pack<N>(vm, max_sq, i);
+          load_state<N>(exp_avg, m, i);
+          load_state<N>(exp_avg_sq, v, i);
+          if (h.amsgrad) load_state<N>(max_sq, vm, i);
           load_weights<N>(w, p, i);
 #pragma unroll
           for (int k = 0; k < N; ++k) p[k] = adam_update(p[k], gs * g[k], m[k], v[k], vm[k], h, s, flags);
-          store_weights<N>(w, i, p);
-          store_pack<N>(exp_avg, i, m);
-          store_pack<N>(exp_avg_sq, i, v);
-          if (h.amsgrad) store_pack<N>(max_sq, i, vm);
+          store_weights<N>(w, i, p, sr);
+          store_state<N>(exp_avg, i, m, sr);
+          store_state<N>(exp_avg_sq, i, v, sr);
+          if (h.amsgrad) store_state<N>(max_sq, i, vm, sr);
           if (zero_buffers) {
             const float zeros[N] = {};
             store_pack<N>(buffer, i, zeros);
           }
         },
         [&](int64_t i) {
-          float m = exp_avg[i], v = exp_avg_sq[i], vm = h.amsgrad ? max_sq[i] : 0.0f;
-          w.store(i, adam_update(w.load(i), gs * buffer[i], m, v, vm, h, s, flags));
-          exp_avg[i] = m;
-          exp_avg_sq[i] = v;
-          if (h.amsgrad) max_sq[i] = vm;
+          float m = exp_avg.load(i), v = exp_avg_sq.load(i), vm = h.amsgrad ? max_sq.load(i) : 0.0f;
+          w.store(i, adam_update(w.load(i), gs * buffer[i], m, v, vm, h, s, flags), sr);
+          exp_avg.store(i, m, sr);
+          exp_avg_sq.store(i, v, sr);
+          if (h.amsgrad) max_sq.store(i, vm, sr);
           if (zero_buffers) buffer[i] = 0.0f;
         });
   }
@@ -87,14 +87,13 @@ void run_adam(const AdamArgs& a) {
     multi_tensor_apply<1>(steps, std::vector<int64_t>(a.state_steps.size(), 1), {},
                           IncrementStep{}, a.scale.found_inf);
   }
-  const bool master = !a.master_params.empty();
   for (const DtypeGroup& g : group_by_dtype(a.params, {a.params, a.master_params, a.buffers,
                                                       a.exp_avgs, a.exp_avg_sqs, a.max_exp_avg_sqs,
                                                       a.state_steps})) {
-    with_weights_kind(g, master, a.sr.enabled, [&](auto p, auto m, auto sr) {
+    with_step_kind(g, step_weights_kind(g.dtype, a.masters, a.sr), a.state_dtype, [&](auto p, auto k, auto s) {
       multi_tensor_apply<kLists>(
           g.pointers, g.numels, group_streams(g, a.sr),
-          AdamFunctor<decltype(p)::value, decltype(m)::value, decltype(sr)::value>{}, a.hyper,
+          AdamFunctor<decltype(p)::value, decltype(k)::value, decltype(s)::value>{}, a.hyper,
           a.scale, a.zero_buffers, a.sr.seed);
     });
   }

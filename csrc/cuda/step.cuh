@@ -1,6 +1,6 @@
 // What the CUDA step-and-zero ops share: their chunk's pointers, 16-byte pack
-// access to the weights of formulas.h's Weights, and the skipped window that
-// only clears buffers.
+// access to the weights (formulas.h's Weights) and the state (State), and the
+// skipped window that only clears buffers.
 #pragma once
 
 #include "../op_args.h"
@@ -19,43 +19,115 @@ __device__ __forceinline__ float* chunk_floats(const Meta<L>& meta, int list, in
   return static_cast<float*>(meta.addresses[list][t]) + start;
 }
 
-template <Dtype P, bool kMaster, bool kStochastic, int L>
-__device__ __forceinline__ Weights<P, kMaster, kStochastic> chunk_weights(
-    const Meta<L>& meta, int t, int64_t start, uint32_t seed) {
+template <Dtype P, WeightsKind K, int L>
+__device__ __forceinline__ Weights<P, K> chunk_weights(const Meta<L>& meta, int t, int64_t start) {
   using T = typename Storage<P>::type;
-  return {static_cast<T*>(meta.addresses[0][t]) + start,
-          kMaster ? chunk_floats(meta, 1, t, start) : nullptr, seed, meta.stream[t], start};
+  void* master = nullptr;
+  if constexpr (K == WeightsKind::kMaster) master = chunk_floats(meta, 1, t, start);
+  if constexpr (K == WeightsKind::kRemainder) {
+    master = static_cast<uint16_t*>(meta.addresses[1][t]) + start;
+  }
+  return {static_cast<T*>(meta.addresses[0][t]) + start, master};
 }
 
-template <int N, Dtype P, bool kMaster, bool kStochastic>
-__device__ __forceinline__ bool aligned_for_packs(const Weights<P, kMaster, kStochastic>& w) {
-  using T = typename Storage<P>::type;
-  return aligned<T, N>(w.param) && (!kMaster || aligned<float, N>(w.master));
+// State list `list` of tensor t from element `start`, rounded with slot kSlot's bits.
+template <Dtype S, uint32_t kSlot, int L>
+__device__ __forceinline__ State<S, kSlot> chunk_state(const Meta<L>& meta, int list, int t,
+                                                       int64_t start) {
+  using T = typename Storage<S>::type;
+  void* base = meta.addresses[list][t];
+  return {base == nullptr ? nullptr : static_cast<T*>(base) + start};
 }
 
-template <int N, Dtype P, bool kMaster, bool kStochastic>
-__device__ __forceinline__ void load_weights(const Weights<P, kMaster, kStochastic>& w,
-                                             float (&out)[N], int64_t i) {
+// The chunk's stochastic-rounding draws: a chunk starts at a multiple of
+// kChunk, so its element indices share their high 32 bits.
+template <int L>
+__device__ __forceinline__ SrChunk chunk_draws(const Meta<L>& meta, int t, int64_t start, uint32_t seed) {
+  return sr_chunk(seed, meta.stream[t], start);
+}
+
+// Elements per pack of a step kernel: 16 bytes of its narrowest stored type.
+template <Dtype P, Dtype S>
+constexpr int kStepVec = kVec<typename Storage<P>::type> > kVec<typename Storage<S>::type>
+                             ? kVec<typename Storage<P>::type>
+                             : kVec<typename Storage<S>::type>;
+
+template <int N, Dtype P, WeightsKind K>
+__device__ __forceinline__ bool aligned_for_packs(const Weights<P, K>& w) {
   using T = typename Storage<P>::type;
-  if constexpr (kMaster) {
-    load_pack<N>(out, w.master, i);
+  if constexpr (K == WeightsKind::kMaster) return aligned<T, N>(w.param) && aligned<float, N>(w.master);
+  if constexpr (K == WeightsKind::kRemainder) {
+    return aligned<T, N>(w.param) && aligned<uint16_t, N>(w.master);
+  }
+  return aligned<T, N>(w.param);
+}
+
+template <int N, Dtype S, uint32_t kSlot>
+__device__ __forceinline__ bool aligned_for_packs(const State<S, kSlot>& st) {
+  return st.data == nullptr || aligned<typename Storage<S>::type, N>(st.data);
+}
+
+template <int N, Dtype P, WeightsKind K>
+__device__ __forceinline__ void load_weights(const Weights<P, K>& w, float (&out)[N], int64_t i) {
+  using T = typename Storage<P>::type;
+  if constexpr (K == WeightsKind::kMaster) {
+    load_pack<N>(out, w.masters(), i);
   } else {
     T p[N];
     load_pack<N>(p, w.param, i);
+    if constexpr (K == WeightsKind::kRemainder) {
+      uint16_t r[N];
+      load_pack<N>(r, w.remainders(), i);
 #pragma unroll
-    for (int k = 0; k < N; ++k) out[k] = Storage<P>::load(p[k]);
+      for (int k = 0; k < N; ++k) out[k] = join_remainder(p[k], r[k]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < N; ++k) out[k] = Storage<P>::load(p[k]);
+    }
   }
 }
 
-template <int N, Dtype P, bool kMaster, bool kStochastic>
-__device__ __forceinline__ void store_weights(const Weights<P, kMaster, kStochastic>& w,
-                                              int64_t i, const float (&in)[N]) {
+template <int N, Dtype P, WeightsKind K>
+__device__ __forceinline__ void store_weights(const Weights<P, K>& w, int64_t i, const float (&in)[N],
+                                              const SrChunk& sr) {
   using T = typename Storage<P>::type;
-  if constexpr (kMaster) store_pack<N>(w.master, i, in);
   T p[N];
+  if constexpr (K == WeightsKind::kMaster) {
+    store_pack<N>(w.masters(), i, in);
 #pragma unroll
-  for (int k = 0; k < N; ++k) p[k] = w.round(i + k, in[k]);
+    for (int k = 0; k < N; ++k) p[k] = Storage<P>::store(in[k]);
+  } else if constexpr (K == WeightsKind::kRemainder) {
+    uint16_t r[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      p[k] = remainder_param(in[k]);
+      r[k] = remainder_bits(in[k]);
+    }
+    store_pack<N>(w.remainders(), i, r);
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) p[k] = w.round(i + k, in[k], sr);
+  }
   store_pack<N>(w.param, i, p);
+}
+
+template <int N, Dtype S, uint32_t kSlot>
+__device__ __forceinline__ void load_state(const State<S, kSlot>& st, float (&out)[N], int64_t i) {
+  using T = typename Storage<S>::type;
+  T x[N];
+  load_pack<N>(x, st.data, i);
+#pragma unroll
+  for (int k = 0; k < N; ++k) out[k] = Storage<S>::load(x[k]);
+}
+
+template <int N, Dtype S, uint32_t kSlot>
+__device__ __forceinline__ void store_state(const State<S, kSlot>& st, int64_t i, const float (&in)[N],
+                                            const SrChunk& sr) {
+  using T = typename Storage<S>::type;
+  T x[N];
+#pragma unroll
+  for (int k = 0; k < N; ++k) x[k] = st.round(i + k, in[k], sr);
+  store_pack<N>(st.data, i, x);
 }
 
 // A skipped window still clears its buffers.
@@ -71,15 +143,14 @@ inline std::vector<uint32_t> group_streams(const DtypeGroup& g, const Stochastic
   return out;
 }
 
-// Calls f(std::integral_constant P, master, stochastic) for a step call over
-// group `g`: the template parameters every step kernel is compiled for.
+// Calls f(std::integral_constant P, weights kind, state dtype) for a step call
+// over group `g`: the template parameters every step kernel is compiled for
+// (the weights kind as step_weights_kind() picks it).
 template <typename F>
-void with_weights_kind(const DtypeGroup& g, bool master, bool stochastic, F&& f) {
+void with_step_kind(const DtypeGroup& g, WeightsKind kind, Dtype state_dtype, F&& f) {
   with_dtype(g.dtype, [&](auto p) {
-    with_bool(master, [&](auto m) {
-      with_stochastic<decltype(p)::value, decltype(m)::value>(stochastic, [&](auto sr) {
-        f(p, m, sr);
-      });
+    with_weights_kind<decltype(p)::value>(kind, [&](auto k) {
+      with_state_dtype(state_dtype, [&](auto s) { f(p, k, s); });
     });
   });
 }

@@ -14,7 +14,8 @@ the same tensors, as the optimizer wrapper makes every window, copy nothing to
 the device. Per-step values (scale, lr, step counts, grad_scale, the seed) are
 runtime arguments or device tensors, never tl.constexpr, and the per-call
 integers are not specialized on (``do_not_specialize``): changing them never
-recompiles.
+recompiles. Whether the optional scale and inf-flag tensors are given is a
+runtime flag too (an absent one is a placeholder tensor), not a variant.
 
 Where every tensor of a launch is 16-byte aligned the host passes ALIGNED=True
 and the kernels tell the compiler (``tl.multiple_of``); full chunks are then
@@ -115,7 +116,7 @@ def stream_of(table, list_count: tl.constexpr, T, t):
 @triton.jit
 def pointer(table, list_index: tl.constexpr, T, t, dtype: tl.constexpr, ALIGNED: tl.constexpr):
     """Tensor t's address in list ``list_index`` as a pointer to ``dtype``
-    (bf16 and fp16 as uint16: they are converted by integer ops)."""
+    (bf16 as uint16: it is converted by integer ops)."""
     if dtype == tl.bfloat16:
         ptr = tl.load(table + list_index * T + t).to(tl.pointer_type(tl.uint16))
     else:
@@ -172,71 +173,134 @@ def param_dtype_launches(params: list[torch.Tensor], lists: list[list[torch.Tens
         yield (dtype, *launch_table(picked, [params[i].numel() for i in index], device, streams))
 
 
-def step_flags(dtype: torch.dtype, master_params: list, stochastic_rounding: bool, grad_scale_tensor, found_inf,
-               zero_buffers: bool, aligned: bool) -> dict:  # fmt: skip
-    """The compile-time flags every step kernel takes, and the launch options."""
-    return dict(PARAM_DTYPE=TL_DTYPES[dtype], HAS_MASTER=bool(master_params),
-                STOCHASTIC=stochastic_rounding and dtype == torch.bfloat16,
-                HAS_GRAD_SCALE_TENSOR=grad_scale_tensor is not None, HAS_FOUND_INF=found_inf is not None,
-                ZERO_BUFFERS=zero_buffers, ALIGNED=aligned, CHUNK=CHUNK, BLOCK=BLOCK, **OPTIONS)  # fmt: skip
+# What a step's master_params list holds (MASTER_KIND): nothing, fp32 master
+# weights, or the int16 remainders of bf16 params.
+NO_MASTER, FP32_MASTER, REMAINDER = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+
+def master_kind(master_params: list) -> int:
+    if not master_params:
+        return NO_MASTER.value
+    return (REMAINDER if master_params[0].dtype == torch.int16 else FP32_MASTER).value
 
 
 @triton.jit
-def load_weight(param, master, offs, mask, PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr,
+def master_pointer(table, T, t, MASTER_KIND: tl.constexpr, ALIGNED: tl.constexpr):
+    """Tensor t's master weights (list 1): fp32, or uint16 remainder bits."""
+    if MASTER_KIND == REMAINDER:
+        return pointer(table, 1, T, t, tl.uint16, ALIGNED)
+    else:
+        return pointer(table, 1, T, t, tl.float32, ALIGNED)
+
+
+def step_flags(dtype: torch.dtype, master_params: list, stochastic_rounding: bool, state_dtype: torch.dtype,
+               aligned: bool) -> dict:  # fmt: skip
+    """The compile-time flags every step kernel takes, and the launch options."""
+    kind = master_kind(master_params)
+    return dict(PARAM_DTYPE=TL_DTYPES[dtype], MASTER_KIND=kind,
+                STOCHASTIC=stochastic_rounding and dtype == torch.bfloat16 and kind == NO_MASTER.value,
+                STATE_DTYPE=TL_DTYPES[state_dtype], ALIGNED=aligned, CHUNK=CHUNK,
+                BLOCK=BLOCK, **OPTIONS)  # fmt: skip
+
+
+_PLACEHOLDERS: dict = {}
+
+
+def scalar_arguments(grad_scale_tensor, found_inf, device: torch.device) -> tuple:
+    """(grad_scale_ptr, has_grad_scale_tensor, found_inf_ptr, has_found_inf):
+    the optional scalar tensors as runtime arguments, an absent one replaced by
+    a placeholder tensor of the device (None would compile a variant of its own)."""
+    placeholder = _PLACEHOLDERS.get(device)
+    if placeholder is None:
+        placeholder = _PLACEHOLDERS[device] = torch.zeros(1, dtype=torch.float32, device=device)
+    return (placeholder if grad_scale_tensor is None else grad_scale_tensor, grad_scale_tensor is not None,
+            placeholder if found_inf is None else found_inf, found_inf is not None)  # fmt: skip
+
+
+@triton.jit
+def load_weight(param, master, offs, mask, PARAM_DTYPE: tl.constexpr, MASTER_KIND: tl.constexpr,
                 MASKED: tl.constexpr):  # fmt: skip
-    """The fp32 weight: the master copy where there is one, else the param."""
-    if HAS_MASTER:
+    """The fp32 weight: the master copy, the param joined with its remainder, or the param."""
+    if MASTER_KIND == FP32_MASTER:
         return load_f32(master, offs, mask, tl.float32, MASKED)
+    elif MASTER_KIND == REMAINDER:
+        if MASKED:
+            p = tl.load(param + offs, mask=mask, other=0)
+            r = tl.load(master + offs, mask=mask, other=0)
+        else:
+            p = tl.load(param + offs)
+            r = tl.load(master + offs)
+        return f.join_remainder(p, r)
     else:
         return load_f32(param, offs, mask, PARAM_DTYPE, MASKED)
 
 
 @triton.jit
-def store_weight(param, master, offs, w, mask, seed, stream, PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr,
+def store_weight(param, master, offs, w, mask, seed, stream, PARAM_DTYPE: tl.constexpr, MASTER_KIND: tl.constexpr,
                  STOCHASTIC: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
-    """The updated weight to the master copy (fp32) and the param (its dtype;
-    bf16 stochastically rounded where STOCHASTIC)."""
-    if HAS_MASTER:
+    """The updated weight to the master copy (fp32) and the param (its dtype),
+    to a bf16 param and its remainder, or to the param alone (bf16
+    stochastically rounded where STOCHASTIC)."""
+    if MASTER_KIND == FP32_MASTER:
         store(master, offs, w, mask, MASKED)
-    if STOCHASTIC:
-        store(param, offs, f.float_to_bf16_stochastic(w, f.sr_random(seed, stream, offs)), mask, MASKED)
+        store(param, offs, to_storage(w, PARAM_DTYPE), mask, MASKED)
+    elif MASTER_KIND == REMAINDER:
+        store(param, offs, f.remainder_param(w), mask, MASKED)
+        store(master, offs, f.remainder_bits(w), mask, MASKED)
+    elif STOCHASTIC:
+        store(param, offs, f.float_to_bf16_stochastic(w, f.sr_draw(seed, 0, stream, offs)), mask, MASKED)
     else:
         store(param, offs, to_storage(w, PARAM_DTYPE), mask, MASKED)
 
 
 @triton.jit
-def step_chunk(block: tl.constexpr, ptrs, hp, buffer, start, n, grad_scale, grad_scale_ptr, found_inf_ptr, seed,
-               stream, PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, STOCHASTIC: tl.constexpr,
-               VARIANT: tl.constexpr, HAS_GRAD_SCALE_TENSOR: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
-               ZERO_BUFFERS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def store_state(ptr, offs, x, mask, seed, slot: tl.constexpr, stream, STATE_DTYPE: tl.constexpr,
+                MASKED: tl.constexpr):  # fmt: skip
+    """A state tensor's new value: fp32 as is, bf16 rounded stochastically with
+    the bits of its rounding slot."""
+    if STATE_DTYPE == tl.bfloat16:
+        store(ptr, offs, f.float_to_bf16_stochastic(x, f.sr_draw(seed, slot, stream, offs)), mask, MASKED)
+    else:
+        store(ptr, offs, x, mask, MASKED)
+
+
+@triton.jit
+def step_chunk(block: tl.constexpr, ptrs, hp, buffer, start, n, grad_scale, grad_scale_ptr, has_grad_scale_tensor,
+               found_inf_ptr, has_found_inf, zero_buffers, seed, stream, PARAM_DTYPE: tl.constexpr,
+               MASTER_KIND: tl.constexpr, STOCHASTIC: tl.constexpr, STATE_DTYPE: tl.constexpr, VARIANT: tl.constexpr,
+               CHUNK: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """One step family's update over this program's chunk, BLOCK elements at a
     time: ``block(ptrs, hp, offs, n, g_scale, seed, stream, PARAM_DTYPE,
-    HAS_MASTER, STOCHASTIC, VARIANT, MASKED)``, then buffer = 0. VARIANT is the
-    family's inner-loop variant (Adam: amsgrad; SGD: the momentum mode). The
-    update's scale is grad_scale (times *grad_scale_ptr); a window with
-    *found_inf != 0 is skipped but still clears its buffers."""
+    MASTER_KIND, STOCHASTIC, STATE_DTYPE, VARIANT, MASKED)``, then buffer = 0
+    where zero_buffers.
+    VARIANT is the family's inner-loop variant (Adam: amsgrad; SGD: the
+    momentum mode). The update's scale is grad_scale (times *grad_scale_ptr
+    where has_grad_scale_tensor); a window with *found_inf != 0 (where
+    has_found_inf) is skipped but still clears its buffers (where zero_buffers)."""
     gs = grad_scale
-    if HAS_GRAD_SCALE_TENSOR:
+    if has_grad_scale_tensor:
         gs = grad_scale * tl.load(grad_scale_ptr)
     seed64 = seed.to(tl.int64) & 0xFFFFFFFF
     skip = False
-    if HAS_FOUND_INF:
+    if has_found_inf:
         skip = tl.load(found_inf_ptr) != 0.0
     zeros = tl.zeros((BLOCK,), tl.float32)
     if skip:
-        if ZERO_BUFFERS:
+        if zero_buffers:
             for i in range(0, CHUNK, BLOCK):
                 offs = start + i + tl.arange(0, BLOCK).to(tl.int64)
                 tl.store(buffer + offs, zeros, mask=offs < n)
     elif start + CHUNK <= n:  # a full chunk: no masks, vector accesses where ALIGNED
         for i in range(0, CHUNK, BLOCK):
             offs = start + i + tl.arange(0, BLOCK).to(tl.int64)
-            block(ptrs, hp, offs, n, gs, seed64, stream, PARAM_DTYPE, HAS_MASTER, STOCHASTIC, VARIANT, False)
-            if ZERO_BUFFERS:
+            block(ptrs, hp, offs, n, gs, seed64, stream, PARAM_DTYPE, MASTER_KIND, STOCHASTIC, STATE_DTYPE, VARIANT,
+                  False)  # fmt: skip
+            if zero_buffers:
                 tl.store(buffer + offs, zeros)
     else:
         for i in range(0, CHUNK, BLOCK):
             offs = start + i + tl.arange(0, BLOCK).to(tl.int64)
-            block(ptrs, hp, offs, n, gs, seed64, stream, PARAM_DTYPE, HAS_MASTER, STOCHASTIC, VARIANT, True)
-            if ZERO_BUFFERS:
+            block(ptrs, hp, offs, n, gs, seed64, stream, PARAM_DTYPE, MASTER_KIND, STOCHASTIC, STATE_DTYPE, VARIANT,
+                  True)  # fmt: skip
+            if zero_buffers:
                 tl.store(buffer + offs, zeros, mask=offs < n)

@@ -40,6 +40,27 @@ sr_random = triton.jit(types.FunctionType(reference.sr_random.__code__, globals(
 
 
 @triton.jit
+def sr_slot_seed(seed, slot: tl.constexpr):
+    """The seed of rounding slot ``slot`` (0 the param, 1 the momentum buffer or
+    exp_avg, 2 exp_avg_sq, 3 max_exp_avg_sq), as formulas.h's."""
+    if slot == 1 or slot == 2:
+        out = (seed + 0x9E3779B9) & 0xFFFFFFFF
+    else:
+        out = seed
+    return out
+
+
+@triton.jit
+def sr_draw(seed, slot: tl.constexpr, stream, index):
+    """Rounding slot ``slot``'s random bits (the low 16 are used), as formulas.h's
+    sr_draw: sr_random(sr_slot_seed(seed, slot), stream, index) >> sr_slot_shift(slot)."""
+    random = sr_random(sr_slot_seed(seed, slot), stream, index)
+    if slot >= 2:
+        random = random >> 16
+    return random
+
+
+@triton.jit
 def float_to_bf16_stochastic(x, random):
     """fp32 -> bf16 bits adding 16 random bits below the mantissa, then
     truncating; inf and NaN round to nearest."""
@@ -47,6 +68,32 @@ def float_to_bf16_stochastic(x, random):
     stochastic = (bits + (random & 0xFFFF)) >> 16
     special = (bits & 0x7F800000) == 0x7F800000
     return tl.where(special, float_to_bf16(x).to(tl.int64), stochastic).to(tl.uint16)
+
+
+# ---- param remainders ---------------------------------------------------------
+
+
+@triton.jit
+def join_remainder(param, remainder):
+    """A bf16 param (uint16 bits) and its int16 remainder (uint16 bits) -> the fp32 master."""
+    high = param.to(tl.uint32) - (remainder.to(tl.uint32) >> 15)
+    return ((high << 16) | remainder.to(tl.uint32)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def remainder_param(x):
+    """The bf16 param (uint16 bits) of an fp32 master: its high 16 bits rounded
+    to nearest, ties away from zero; inf and NaN rounded as float_to_bf16."""
+    u = x.to(tl.uint32, bitcast=True)
+    rounded = (u >> 16) + ((u >> 15) & 1)
+    special = (u & 0x7F800000) == 0x7F800000
+    return tl.where(special, float_to_bf16(x).to(tl.uint32), rounded).to(tl.uint16)
+
+
+@triton.jit
+def remainder_bits(x):
+    """The int16 remainder (uint16 bits) of an fp32 master: its low 16 bits."""
+    return (x.to(tl.uint32, bitcast=True) & 0xFFFF).to(tl.uint16)
 
 
 @triton.jit

@@ -25,14 +25,14 @@ def _accumulate_block(buffer, grad, offs, n, s, GRAD_DTYPE: tl.constexpr, OVERWR
 
 
 @triton.jit(do_not_specialize=["T", "C"])
-def _accumulate_kernel(table, T, C, scale, scale_ptr, found_inf_ptr, GRAD_DTYPE: tl.constexpr,
-                       OVERWRITE: tl.constexpr, HAS_SCALE_TENSOR: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
-                       ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _accumulate_kernel(table, T, C, scale, scale_ptr, has_scale_tensor, found_inf_ptr, has_found_inf,
+                       GRAD_DTYPE: tl.constexpr, OVERWRITE: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr,
+                       BLOCK: tl.constexpr):  # fmt: skip
     t, start, n = c.chunk_of(table, 2, T, C, CHUNK, ALIGNED)
     buffer = c.pointer(table, 0, T, t, tl.float32, ALIGNED)
     grad = c.pointer(table, 1, T, t, GRAD_DTYPE, ALIGNED)
     s = scale
-    if HAS_SCALE_TENSOR:
+    if has_scale_tensor:
         s = scale * tl.load(scale_ptr)
     nonfinite = tl.zeros((BLOCK,), dtype=tl.int32)
     if start + CHUNK <= n:  # a full chunk: no masks, vector accesses where ALIGNED
@@ -43,7 +43,7 @@ def _accumulate_kernel(table, T, C, scale, scale_ptr, found_inf_ptr, GRAD_DTYPE:
         for i in range(0, CHUNK, BLOCK):
             offs = start + i + tl.arange(0, BLOCK).to(tl.int64)
             nonfinite = nonfinite | _accumulate_block(buffer, grad, offs, n, s, GRAD_DTYPE, OVERWRITE, True)
-    if HAS_FOUND_INF:
+    if has_found_inf:
         # Every writer stores the same 1.0: no atomics needed.
         tl.store(found_inf_ptr, 1.0, mask=tl.max(nonfinite, axis=0) > 0)
 
@@ -54,6 +54,7 @@ def accumulate_(buffers: list[torch.Tensor], grads: list[torch.Tensor], scale: f
     """buffer = (0 if overwrite else buffer) + scale * float32(grad), for every pair."""
     device = buffers[0].device
     with c.device_guard(device):
+        scale_ptr, has_scale, inf_ptr, has_inf = c.scalar_arguments(scale_tensor, found_inf, device)
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             pairs = [(b, g) for b, g in zip(buffers, grads) if g.dtype == dtype and b.numel() > 0]
             if not pairs:
@@ -61,9 +62,8 @@ def accumulate_(buffers: list[torch.Tensor], grads: list[torch.Tensor], scale: f
             table, count, chunks, aligned = c.launch_table([[b for b, _ in pairs], [g for _, g in pairs]],
                                                            [b.numel() for b, _ in pairs], device)  # fmt: skip
             _accumulate_kernel[(chunks,)](
-                table, count, chunks, scale, scale_tensor, found_inf, GRAD_DTYPE=c.TL_DTYPES[dtype],
-                OVERWRITE=overwrite, HAS_SCALE_TENSOR=scale_tensor is not None, HAS_FOUND_INF=found_inf is not None,
-                ALIGNED=aligned, CHUNK=c.CHUNK, BLOCK=c.BLOCK, **c.OPTIONS,
+                table, count, chunks, scale, scale_ptr, has_scale, inf_ptr, has_inf, GRAD_DTYPE=c.TL_DTYPES[dtype],
+                OVERWRITE=overwrite, ALIGNED=aligned, CHUNK=c.CHUNK, BLOCK=c.BLOCK, **c.OPTIONS,
             )  # fmt: skip
 
 

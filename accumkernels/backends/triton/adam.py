@@ -18,56 +18,57 @@ LISTS = tl.constexpr(7)
 
 
 @triton.jit(do_not_specialize=["T"])
-def _increment_steps_kernel(table, T, found_inf_ptr, HAS_FOUND_INF: tl.constexpr):
+def _increment_steps_kernel(table, T, found_inf_ptr, has_found_inf):
     step = tl.load(table + tl.program_id(0)).to(tl.pointer_type(tl.float32))
     keep = True
-    if HAS_FOUND_INF:
+    if has_found_inf:
         keep = tl.load(found_inf_ptr) == 0.0
     tl.store(step, tl.load(step) + 1.0, mask=keep)
 
 
 @triton.jit
-def _adam_block(ptrs, hp, offs, n, gs, seed, stream, PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr,
-                STOCHASTIC: tl.constexpr, AMSGRAD: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+def _adam_block(ptrs, hp, offs, n, gs, seed, stream, PARAM_DTYPE: tl.constexpr, MASTER_KIND: tl.constexpr,
+                STOCHASTIC: tl.constexpr, STATE_DTYPE: tl.constexpr, AMSGRAD: tl.constexpr,
+                MASKED: tl.constexpr):  # fmt: skip
     param, master, buffer, exp_avg, exp_avg_sq, max_sq = ptrs
     (step_size, bias_correction2_sqrt, eps, weight_decay, one_minus_beta1, one_minus_beta2, beta2_f, adamw_decay,
      adamw, has_weight_decay) = hp  # fmt: skip
     mask = offs < n
     g = gs * c.load_f32(buffer, offs, mask, tl.float32, MASKED)
-    w = c.load_weight(param, master, offs, mask, PARAM_DTYPE, HAS_MASTER, MASKED)
-    m = c.load_f32(exp_avg, offs, mask, tl.float32, MASKED)
-    v = c.load_f32(exp_avg_sq, offs, mask, tl.float32, MASKED)
+    w = c.load_weight(param, master, offs, mask, PARAM_DTYPE, MASTER_KIND, MASKED)
+    m = c.load_f32(exp_avg, offs, mask, STATE_DTYPE, MASKED)
+    v = c.load_f32(exp_avg_sq, offs, mask, STATE_DTYPE, MASKED)
     v_max = tl.zeros_like(g)
     if AMSGRAD:
-        v_max = c.load_f32(max_sq, offs, mask, tl.float32, MASKED)
+        v_max = c.load_f32(max_sq, offs, mask, STATE_DTYPE, MASKED)
     w, m, v, v_max = f.adam_update(w, g, m, v, v_max, step_size, bias_correction2_sqrt, eps, weight_decay,
                                    one_minus_beta1, one_minus_beta2, beta2_f, adamw_decay, adamw, has_weight_decay,
                                    AMSGRAD)  # fmt: skip
-    c.store(exp_avg, offs, m, mask, MASKED)
-    c.store(exp_avg_sq, offs, v, mask, MASKED)
+    c.store_state(exp_avg, offs, m, mask, seed, 1, stream, STATE_DTYPE, MASKED)
+    c.store_state(exp_avg_sq, offs, v, mask, seed, 2, stream, STATE_DTYPE, MASKED)
     if AMSGRAD:
-        c.store(max_sq, offs, v_max, mask, MASKED)
-    c.store_weight(param, master, offs, w, mask, seed, stream, PARAM_DTYPE, HAS_MASTER, STOCHASTIC, MASKED)
+        c.store_state(max_sq, offs, v_max, mask, seed, 3, stream, STATE_DTYPE, MASKED)
+    c.store_weight(param, master, offs, w, mask, seed, stream, PARAM_DTYPE, MASTER_KIND, STOCHASTIC, MASKED)
 
 
 @triton.jit(do_not_specialize=["T", "C", "seed"])
 def _adam_kernel(table, T, C, scalars, eps, weight_decay, one_minus_beta1, one_minus_beta2, beta2_f, adamw_decay,
-                 adamw, has_weight_decay, grad_scale, grad_scale_ptr, found_inf_ptr, seed, PARAM_DTYPE: tl.constexpr,
-                 HAS_MASTER: tl.constexpr, STOCHASTIC: tl.constexpr, AMSGRAD: tl.constexpr,
-                 HAS_GRAD_SCALE_TENSOR: tl.constexpr, HAS_FOUND_INF: tl.constexpr, ZERO_BUFFERS: tl.constexpr,
-                 ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                 adamw, has_weight_decay, grad_scale, grad_scale_ptr, has_grad_scale_tensor, found_inf_ptr,
+                 has_found_inf, zero_buffers, seed, PARAM_DTYPE: tl.constexpr, MASTER_KIND: tl.constexpr,
+                 STOCHASTIC: tl.constexpr, STATE_DTYPE: tl.constexpr, AMSGRAD: tl.constexpr, ALIGNED: tl.constexpr,
+                 CHUNK: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     t, start, n = c.chunk_of(table, LISTS, T, C, CHUNK, ALIGNED)
-    ptrs = (c.pointer(table, 0, T, t, PARAM_DTYPE, ALIGNED), c.pointer(table, 1, T, t, tl.float32, ALIGNED),
-            c.pointer(table, 2, T, t, tl.float32, ALIGNED), c.pointer(table, 3, T, t, tl.float32, ALIGNED),
-            c.pointer(table, 4, T, t, tl.float32, ALIGNED), c.pointer(table, 5, T, t, tl.float32, ALIGNED))
+    ptrs = (c.pointer(table, 0, T, t, PARAM_DTYPE, ALIGNED), c.master_pointer(table, T, t, MASTER_KIND, ALIGNED),
+            c.pointer(table, 2, T, t, tl.float32, ALIGNED), c.pointer(table, 3, T, t, STATE_DTYPE, ALIGNED),
+            c.pointer(table, 4, T, t, STATE_DTYPE, ALIGNED), c.pointer(table, 5, T, t, STATE_DTYPE, ALIGNED))
     step = tl.load(c.pointer(table, 6, T, t, tl.float32, False))
     step_size, bias_correction2_sqrt = f.adam_bias_corrections(tl.load(scalars), tl.load(scalars + 1),
                                                                tl.load(scalars + 2), step)  # fmt: skip
     hp = (step_size, bias_correction2_sqrt, eps, weight_decay, one_minus_beta1, one_minus_beta2, beta2_f,
           adamw_decay, adamw, has_weight_decay)  # fmt: skip
-    c.step_chunk(_adam_block, ptrs, hp, ptrs[2], start, n, grad_scale, grad_scale_ptr, found_inf_ptr, seed,
-                 c.stream_of(table, LISTS, T, t), PARAM_DTYPE, HAS_MASTER, STOCHASTIC, AMSGRAD,
-                 HAS_GRAD_SCALE_TENSOR, HAS_FOUND_INF, ZERO_BUFFERS, CHUNK, BLOCK)  # fmt: skip
+    c.step_chunk(_adam_block, ptrs, hp, ptrs[2], start, n, grad_scale, grad_scale_ptr, has_grad_scale_tensor,
+                 found_inf_ptr, has_found_inf, zero_buffers, seed, c.stream_of(table, LISTS, T, t), PARAM_DTYPE,
+                 MASTER_KIND, STOCHASTIC, STATE_DTYPE, AMSGRAD, CHUNK, BLOCK)  # fmt: skip
 
 
 def _adam(adamw, params, buffers, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, lr, beta1,
@@ -75,18 +76,20 @@ def _adam(adamw, params, buffers, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_
           stochastic_rounding, seed, positions):  # fmt: skip
     device = params[0].device
     with c.device_guard(device):
+        scale_ptr, has_scale, inf_ptr, has_inf = c.scalar_arguments(grad_scale_tensor, found_inf, device)
         steps_table, count, _, _ = c.launch_table([state_steps], [1] * len(state_steps), device)
-        _increment_steps_kernel[(count,)](steps_table, count, found_inf, HAS_FOUND_INF=found_inf is not None)
+        _increment_steps_kernel[(count,)](steps_table, count, inf_ptr, has_inf)
         scalars = torch.tensor([lr, beta1, beta2], dtype=torch.float64)
         if device.type == "cuda":
             scalars = scalars.pin_memory().to(device, non_blocking=True)
         lists = [params, master_params, buffers, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps]
+        state_dtype = exp_avgs[0].dtype
         for dtype, table, count, chunks, aligned in c.param_dtype_launches(params, lists, positions):
             _adam_kernel[(chunks,)](
                 table, count, chunks, scalars, eps, weight_decay, 1.0 - beta1, 1.0 - beta2, beta2,
-                1.0 - lr * weight_decay, adamw, weight_decay != 0, grad_scale, grad_scale_tensor, found_inf,
-                c.seed_argument(seed), AMSGRAD=amsgrad, **c.step_flags(dtype, master_params, stochastic_rounding,
-                grad_scale_tensor, found_inf, zero_buffers, aligned),
+                1.0 - lr * weight_decay, adamw, weight_decay != 0, grad_scale, scale_ptr, has_scale, inf_ptr,
+                has_inf, zero_buffers, c.seed_argument(seed), AMSGRAD=amsgrad,
+                **c.step_flags(dtype, master_params, stochastic_rounding, state_dtype, aligned),
             )  # fmt: skip
 
 

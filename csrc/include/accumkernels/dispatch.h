@@ -1,6 +1,6 @@
 // Run-time values to compile-time constants: with_bool(b, f) calls
 // f(std::bool_constant<b>), and likewise for the storage dtype, the momentum
-// mode and stochastic rounding, so kernels are templates on everything that
+// mode, the weights kind and the state dtype, so kernels are templates on everything that
 // changes their inner loop. Shared by the CPU and CUDA host code.
 #pragma once
 
@@ -49,14 +49,45 @@ void with_momentum(Momentum m, F&& f) {
   }
 }
 
-// Only bf16 params without master weights are ever rounded stochastically, so
-// only they get that variant.
-template <Dtype P, bool kMaster, typename F>
-void with_stochastic(bool enabled, F&& f) {
-  if constexpr (P == Dtype::kBFloat16 && !kMaster) {
-    with_bool(enabled, f);
+// The weights kinds a param dtype has (accumkernels.ops refuses the others):
+// fp32 params are their own weights; bf16 params all four kinds; fp16 params
+// their own (rounded to nearest) or an fp32 master copy.
+template <Dtype P, typename F>
+void with_weights_kind(WeightsKind k, F&& f) {
+  using K = WeightsKind;
+  if constexpr (P == Dtype::kBFloat16) {
+    switch (k) {
+      case K::kParam:
+        f(std::integral_constant<K, K::kParam>{});
+        break;
+      case K::kStochastic:
+        f(std::integral_constant<K, K::kStochastic>{});
+        break;
+      case K::kMaster:
+        f(std::integral_constant<K, K::kMaster>{});
+        break;
+      case K::kRemainder:
+        f(std::integral_constant<K, K::kRemainder>{});
+        break;
+    }
+  } else if constexpr (P == Dtype::kFloat16) {
+    if (k == K::kMaster) {
+      f(std::integral_constant<K, K::kMaster>{});
+    } else {
+      f(std::integral_constant<K, K::kParam>{});
+    }
   } else {
-    f(std::false_type{});
+    f(std::integral_constant<K, K::kParam>{});
+  }
+}
+
+// State is stored in fp32 or bf16.
+template <typename F>
+void with_state_dtype(Dtype d, F&& f) {
+  if (d == Dtype::kBFloat16) {
+    f(std::integral_constant<Dtype, Dtype::kBFloat16>{});
+  } else {
+    f(std::integral_constant<Dtype, Dtype::kFloat32>{});
   }
 }
 

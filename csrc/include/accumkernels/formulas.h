@@ -99,11 +99,15 @@ AK_HD uint16_t float_to_fp16(float x) {
 // The random bits come from sr_random(seed, stream, index): a murmur3-style
 // hash of the seed, the tensor's stream id (its `positions` entry, by default
 // its place in the op's list) and the element's index in the tensor's memory
-// order, the same in every backend.
-AK_HD uint32_t sr_random(uint32_t seed, uint32_t stream, uint64_t index) {
-  uint32_t x = (static_cast<uint32_t>(index) * 0x9E3779B1u) ^
-               (static_cast<uint32_t>(index >> 32) * 0x85EBCA77u) ^ (seed * 0xC2B2AE3Du) ^
-               (stream * 0x27D4EB2Fu);
+// order, the same in every backend. It is written as sr_finish(low 32 bits of
+// the index, sr_key(seed, stream, high 32 bits)), so that a loop over indices
+// that share their high bits computes the key once.
+AK_HD uint32_t sr_key(uint32_t seed, uint32_t stream, uint32_t index_high) {
+  return (index_high * 0x85EBCA77u) ^ (seed * 0xC2B2AE3Du) ^ (stream * 0x27D4EB2Fu);
+}
+
+AK_HD uint32_t sr_finish(uint32_t index_low, uint32_t key) {
+  uint32_t x = (index_low * 0x9E3779B1u) ^ key;
   x ^= x >> 16;
   x *= 0x85EBCA6Bu;
   x ^= x >> 13;
@@ -112,12 +116,71 @@ AK_HD uint32_t sr_random(uint32_t seed, uint32_t stream, uint64_t index) {
   return x;
 }
 
+AK_HD uint32_t sr_random(uint32_t seed, uint32_t stream, uint64_t index) {
+  return sr_finish(static_cast<uint32_t>(index), sr_key(seed, stream, static_cast<uint32_t>(index >> 32)));
+}
+
+// Uses the low 16 bits of `random`. inf passes unchanged (its low bits are
+// zero); a NaN is kept a quiet NaN, as float_to_bf16 keeps it.
 AK_HD uint16_t float_to_bf16_stochastic(float x, uint32_t random) {
   const uint32_t u = float_bits(x);
-  const uint32_t special_mask = 0u - static_cast<uint32_t>((u & 0x7F800000u) == 0x7F800000u);
+  const uint32_t nan_mask = 0u - static_cast<uint32_t>((u & 0x7FFFFFFFu) > 0x7F800000u);
   const uint32_t stochastic = (u + (random & 0xFFFFu)) >> 16;
-  return static_cast<uint16_t>((special_mask & float_to_bf16(x)) | (~special_mask & stochastic));
+  return static_cast<uint16_t>((nan_mask & ((u >> 16) | 0x0040u)) | (~nan_mask & stochastic));
 }
+
+// Rounding slots of a step: 0 the param, 1 the momentum buffer or exp_avg,
+// 2 exp_avg_sq, 3 max_exp_avg_sq (state tensors stored in bf16). Slot s draws
+// its 16 bits as sr_random(sr_slot_seed(seed, s), stream, index) >> sr_slot_shift(s):
+// two hashes per element serve all four slots, and no two slots share bits.
+AK_HD uint32_t sr_slot_seed(uint32_t seed, uint32_t slot) {
+  return slot == 1u || slot == 2u ? seed + 0x9E3779B9u : seed;
+}
+
+AK_HD uint32_t sr_slot_shift(uint32_t slot) { return slot >= 2u ? 16u : 0u; }
+
+// The draws of one chunk of one tensor, whose element indices first + i share
+// their high 32 bits (the kernels split their chunks so): the two hashes' keys
+// are computed once per chunk, and the two slots of one seed share one sr_finish.
+struct SrChunk {
+  uint32_t first_low;  // low 32 bits of the chunk's first element index
+  uint32_t key0;       // slots 0 and 3
+  uint32_t key1;       // slots 1 and 2
+};
+
+AK_HD SrChunk sr_chunk(uint32_t seed, uint32_t stream, int64_t first) {
+  const uint32_t high = static_cast<uint32_t>(static_cast<uint64_t>(first) >> 32);
+  return {static_cast<uint32_t>(first), sr_key(sr_slot_seed(seed, 0), stream, high),
+          sr_key(sr_slot_seed(seed, 1), stream, high)};
+}
+
+// Slot kSlot's bits (in the low 16) for element first + i of the chunk.
+template <uint32_t kSlot>
+AK_HD uint32_t sr_draw(const SrChunk& c, int64_t i) {
+  const uint32_t key = kSlot == 1u || kSlot == 2u ? c.key1 : c.key0;
+  return sr_finish(c.first_low + static_cast<uint32_t>(i), key) >> sr_slot_shift(kSlot);
+}
+
+// ---- param remainders -----------------------------------------------------
+// A bf16 param and an int16 remainder hold an fp32 master weight bit for bit
+// (Transformer Engine's store_param_remainders): the remainder is the master's
+// low 16 bits, the param its high 16 bits rounded to nearest with ties away
+// from zero (up by one where the low bits are >= 0x8000, which makes the
+// remainder negative), so join_remainder undoes the rounding exactly. inf and
+// NaN keep their own rounding (a NaN stays a NaN).
+AK_HD float join_remainder(uint16_t param, uint16_t remainder) {
+  const uint32_t high = static_cast<uint32_t>(param) - static_cast<uint32_t>(remainder >> 15);
+  return bits_float((high << 16) | remainder);
+}
+
+AK_HD uint16_t remainder_param(float x) {
+  const uint32_t u = float_bits(x);
+  const uint32_t special_mask = 0u - static_cast<uint32_t>((u & 0x7F800000u) == 0x7F800000u);
+  const uint32_t rounded = (u >> 16) + ((u >> 15) & 1u);
+  return static_cast<uint16_t>((special_mask & float_to_bf16(x)) | (~special_mask & rounded));
+}
+
+AK_HD uint16_t remainder_bits(float x) { return static_cast<uint16_t>(float_bits(x) & 0xFFFFu); }
 
 template <Dtype D>
 struct Storage;
@@ -154,32 +217,69 @@ AK_HD float lerp(float start, float end, float weight) {
 }
 
 // ---- weights --------------------------------------------------------------
-// Where a step op reads and writes the weights: the fp32 master copy when
-// kMaster (the param receives it rounded to nearest even), else the param in
-// its storage dtype; kStochastic rounds a bf16 param stochastically with the
-// bits of sr_random(seed, stream, first + i). `first` is the index of element
-// 0 of these pointers in the param's memory order.
-template <Dtype P, bool kMaster, bool kStochastic>
+// Where a step op reads and writes the weights, by WeightsKind:
+//   kParam       the param in its storage dtype, rounded to nearest even
+//   kStochastic  a bf16 param, rounded stochastically with the bits of slot 0
+//   kMaster      an fp32 master copy (the param receives it rounded to nearest even)
+//   kRemainder   a bf16 param joined with its int16 remainder (see above)
+// store() takes the chunk's draws (SrChunk), shared with its state tensors.
+enum class WeightsKind : int { kParam = 0, kStochastic = 1, kMaster = 2, kRemainder = 3 };
+
+template <Dtype P, WeightsKind K>
 struct Weights {
   using T = typename Storage<P>::type;
   T* AK_RESTRICT param;
-  float* AK_RESTRICT master;
-  uint32_t seed;
-  uint32_t stream;
-  int64_t first;
+  void* AK_RESTRICT master;  // float* (kMaster) or uint16_t* remainders (kRemainder)
 
-  AK_HD float load(int64_t i) const { return kMaster ? master[i] : Storage<P>::load(param[i]); }
-  AK_HD T round(int64_t i, float w) const {
-    if constexpr (kStochastic) {
-      return float_to_bf16_stochastic(w, sr_random(seed, stream, static_cast<uint64_t>(first + i)));
+  AK_HD float* masters() const { return static_cast<float*>(master); }
+  AK_HD uint16_t* remainders() const { return static_cast<uint16_t*>(master); }
+
+  AK_HD float load(int64_t i) const {
+    if constexpr (K == WeightsKind::kMaster) {
+      return masters()[i];
+    } else if constexpr (K == WeightsKind::kRemainder) {
+      return join_remainder(param[i], remainders()[i]);
+    } else {
+      return Storage<P>::load(param[i]);
+    }
+  }
+  // The param's new storage value for weight w (the master copy or the
+  // remainder, where there is one, is written here).
+  AK_HD T round(int64_t i, float w, const SrChunk& sr) const {
+    if constexpr (K == WeightsKind::kMaster) {
+      masters()[i] = w;
+      return Storage<P>::store(w);
+    } else if constexpr (K == WeightsKind::kRemainder) {
+      remainders()[i] = remainder_bits(w);
+      return remainder_param(w);
+    } else if constexpr (K == WeightsKind::kStochastic) {
+      return float_to_bf16_stochastic(w, sr_draw<0>(sr, i));
     } else {
       return Storage<P>::store(w);
     }
   }
-  AK_HD void store(int64_t i, float w) const {
-    if (kMaster) master[i] = w;
-    param[i] = round(i, w);
+  AK_HD void store(int64_t i, float w, const SrChunk& sr) const { param[i] = round(i, w, sr); }
+};
+
+// ---- optimizer state ------------------------------------------------------
+// A state tensor (momentum buffer, exp_avg, exp_avg_sq, max_exp_avg_sq) in fp32
+// or bf16; a bf16 one is always rounded stochastically, with the bits of its
+// rounding slot kSlot: unbiased, so that updates far below its ulp (a
+// (1 - beta2) * g^2 step of exp_avg_sq) are kept on average, not rounded away.
+template <Dtype S, uint32_t kSlot>
+struct State {
+  using T = typename Storage<S>::type;
+  T* AK_RESTRICT data;
+
+  AK_HD float load(int64_t i) const { return Storage<S>::load(data[i]); }
+  AK_HD T round(int64_t i, float x, const SrChunk& sr) const {
+    if constexpr (S == Dtype::kBFloat16) {
+      return float_to_bf16_stochastic(x, sr_draw<kSlot>(sr, i));
+    } else {
+      return x;
+    }
   }
+  AK_HD void store(int64_t i, float x, const SrChunk& sr) const { data[i] = round(i, x, sr); }
 };
 
 // ---- per-step scalars -----------------------------------------------------
