@@ -8,8 +8,9 @@ The peak of a training step is predicted as::
 
 static    what the wrapper setup holds whatever the micro-batch: the params, the
           wrapper's fp32 buffers (the same layout it will build), the optimizer
-          state (SGD's momentum, Adam's two moments, amsgrad's maximum, step
-          counts) and fp32 master weights, computed from the model and options;
+          state (SGD's momentum, Adam's two moments, amsgrad's maximum, in
+          each param's state dtype; step counts) and master weights (fp32
+          copies or 16-bit remainders), computed from the model and options;
 a + c*b   what a micro-step allocates beyond that (activations, temporaries,
           gradients in flight), measured by running forward and backward at a
           few small micro-batch sizes b with the wrapper installed (CUDA: the
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .optim._layout import Layout, collect_params
-from .optim._update import optimizer_kind
+from .optim._update import optimizer_kind, precision_of
 
 MARGIN = 0.05
 _UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
@@ -112,21 +113,22 @@ def static_bytes(optimizer: torch.optim.Optimizer, **wrapper_options) -> dict[st
         world = dist.get_world_size(wrapper_options.get("process_group"))
     layout = Layout(params, groups, torch.device("meta"), wrapper_options.get("bucket_cap_mb", 25.0), world)
     stepped = {id(p): p.numel() // world for p in params}  # sharded: each rank steps 1/W of every bucket
+    precision = {id(p): precision_of(p.dtype, master_weights=wrapper_options.get("master_weights", False),
+                                     stochastic_rounding=wrapper_options.get("stochastic_rounding"),
+                                     state_dtype=wrapper_options.get("state_dtype")) for p in params}  # fmt: skip
     state = 0
     for group in optimizer.param_groups:
-        n = sum(stepped[id(p)] for p in group["params"])
         if kind == "sgd":
-            per_element = 4 if group["momentum"] else 0
+            tensors = 1 if group["momentum"] else 0
         else:
-            per_element = 8 + (4 if group.get("amsgrad") else 0)
+            tensors = 2 + (1 if group.get("amsgrad") else 0)
             state += 4 * len(group["params"])  # the step counts
-        state += per_element * n
-    low = [p for p in params if p.dtype in (torch.bfloat16, torch.float16)]
+        state += sum(tensors * precision[id(p)].state_bytes() * stepped[id(p)] for p in group["params"])
     return {
         "params": sum(p.numel() * p.element_size() for p in params),
         "fp32 buffers": layout.flat.numel() * 4,
         "optimizer state": state,
-        "master weights": sum(stepped[id(p)] * 4 for p in low) if wrapper_options.get("master_weights") else 0,
+        "master weights": sum(precision[id(p)].master_bytes() * stepped[id(p)] for p in params),
     }
 
 

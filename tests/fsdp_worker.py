@@ -167,7 +167,7 @@ def inf_skip(cfg, rank, world, mesh):
 def resume(cfg, rank, world, mesh):
     """Stop mid-window (after window 0 and two micro-steps of window 1), save
     per rank, load into fresh objects: the rest is bitwise the same."""
-    options = dict(max_grad_norm=0.5, stochastic_rounding=cfg.get("storage") == "bf16")
+    options = dict(max_grad_norm=0.5, **cfg.get("options", {}))
     straight, straight_opt = wrapped_model(cfg, mesh, seed=7, **options)
     train(cfg, straight, straight_opt, rank, windows=range(WINDOWS))
 

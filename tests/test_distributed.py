@@ -50,6 +50,11 @@ CASES_2 = {
     "resume-sharded-bf16-master": dict(
         scenario="resume", optimizer="adamw", sharded=True, dtype=torch.bfloat16, master_weights=True
     ),
+    # bf16 params with the defaults (stochastic rounding, bf16 state) and with remainders
+    "resume-sharded-bf16-defaults": dict(scenario="resume", optimizer="adamw", sharded=True, dtype=torch.bfloat16),
+    "resume-allreduce-bf16-remainders": dict(
+        scenario="resume", optimizer="sgd", dtype=torch.bfloat16, master_weights="remainders"
+    ),
     "ddp": dict(scenario="ddp_taken_over", optimizer="adamw"),
     "framework-loop": dict(scenario="framework_loop", optimizer="adamw", clip=0.05),
     "misuse": dict(scenario="misuse", optimizer="sgd"),
@@ -172,7 +177,8 @@ def test_inf_on_one_rank_skips_the_window_on_all(runs, case):
         assert [r["scale"] for r in results] == [2.0**9, 2.0**9]
 
 
-@pytest.mark.parametrize("case", ["resume-allreduce", "resume-sharded-bf16-master"])
+@pytest.mark.parametrize("case", ["resume-allreduce", "resume-sharded-bf16-master", "resume-sharded-bf16-defaults",
+                                  "resume-allreduce-bf16-remainders"])
 def test_resume_mid_window_with_two_ranks(runs, case):
     for r in runs[2]:
         result = r[case]

@@ -36,7 +36,9 @@ CASES_2 = {
     "bf16-shards": dict(scenario="bf16_shards"),
     "inf": dict(scenario="inf_skip"),
     "resume-fp32": dict(scenario="resume"),
-    "resume-bf16-stochastic": dict(scenario="resume", storage="bf16"),
+    # bf16 shards with the defaults (stochastic rounding, bf16 DTensor state), and with remainders
+    "resume-bf16-defaults": dict(scenario="resume", storage="bf16"),
+    "resume-bf16-remainders": dict(scenario="resume", storage="bf16", options=dict(master_weights="remainders")),
     "dcp": dict(scenario="dcp_round_trip"),
     "memory": dict(scenario="buffer_bytes"),
     "refusals": dict(scenario="refusals"),
@@ -75,7 +77,7 @@ def test_an_inf_on_one_rank_skips_the_window_everywhere(runs):
         assert rank["inf"] == {"skipped": True, "moved": True}
 
 
-@pytest.mark.parametrize("case", ["resume-fp32", "resume-bf16-stochastic"])
+@pytest.mark.parametrize("case", ["resume-fp32", "resume-bf16-defaults", "resume-bf16-remainders"])
 def test_resume_mid_window_is_bitwise(runs, case):
     assert all(rank[case]["same"] for rank in runs[2])
 

@@ -267,7 +267,15 @@ def _train(model, opt, batches):
         opt.step()
 
 
-@pytest.mark.parametrize("precision", ["master_weights", "stochastic_rounding"])
+PRECISIONS = {
+    "defaults": {},  # bf16 params: stochastic rounding, bf16 state
+    "master_weights": dict(master_weights=True),
+    "remainders": dict(master_weights="remainders"),
+    "nearest-fp32-state": dict(stochastic_rounding=False, state_dtype=torch.float32),
+}
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
 def test_resume_mid_window_is_bitwise(backend, precision):
     """Stop after 2 windows and 2 micro-steps, save, load into fresh objects:
     the rest of the run is bitwise the same as without stopping."""
@@ -276,7 +284,7 @@ def test_resume_mid_window_is_bitwise(backend, precision):
     def make():
         model = mlp(dtype=torch.bfloat16)
         opt = ak.AccumulatingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS), accum_steps=4,
-                                       backend=backend, **{precision: True})  # fmt: skip
+                                       backend=backend, **PRECISIONS[precision])  # fmt: skip
         return model, opt
 
     bf16 = [(x.bfloat16(), y.bfloat16()) for x, y in batches]
@@ -296,6 +304,99 @@ def test_resume_mid_window_is_bitwise(backend, precision):
     _train(resumed, resumed_opt, bf16[10:])
     for a, b in zip(straight.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
+
+
+def test_default_precision_follows_the_param_dtype(backend):
+    """bf16 params: stochastically rounded, state in bf16 (10 bytes per param
+    with the fp32 buffer: 2 + 4 + 2 + 2); fp32 and fp16 params: fp32 state and
+    round to nearest; master weights bring fp32 state."""
+    params = [nn.Parameter(torch.randn(40).to(d)) for d in (torch.bfloat16, torch.float32, torch.float16)]
+    opt = ak.AccumulatingOptimizer(torch.optim.AdamW(params, lr=1e-2), accum_steps=1, backend=backend)
+    sum((p.float() * torch.randn(40)).sum() for p in params).backward()
+    opt.step()
+    for p in params:
+        want = torch.bfloat16 if p.dtype == torch.bfloat16 else torch.float32
+        assert opt.state[p]["exp_avg"].dtype == want and opt.state[p]["exp_avg_sq"].dtype == want, p.dtype
+        assert opt._layout.record(p).precision.stochastic == (p.dtype == torch.bfloat16)
+    x, y = data(8)
+    masters = mlp().to(torch.bfloat16)
+    opt = ak.AccumulatingOptimizer(torch.optim.AdamW(masters.parameters(), lr=1e-2), accum_steps=1,
+                                   master_weights=True, backend=backend)  # fmt: skip
+    F.mse_loss(masters(x.bfloat16()).float(), y).backward()
+    opt.step()
+    assert all(s["exp_avg"].dtype == torch.float32 for s in opt.state.values())
+
+
+def test_remainders_are_fp32_master_weights_bit_for_bit(backend):
+    """master_weights='remainders' (2 bytes per param) trains like fp32 master
+    weights (4 bytes): the fp32 master each (bf16 param, remainder) pair holds
+    is the fp32 master of the other run, bit for bit, window after window; the
+    param is that master rounded to nearest (ties away from zero)."""
+    from accumkernels.backends import reference
+
+    runs = {}
+    for kind in (True, "remainders"):
+        model = mlp(dtype=torch.bfloat16)
+        opt = ak.AccumulatingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
+                                       accum_steps=2, master_weights=kind, backend=backend)  # fmt: skip
+        torch.manual_seed(5)
+        for _ in range(8):
+            x, y = data(8)
+            F.mse_loss(model(x.bfloat16()).float(), y).backward()
+            opt.step()
+        runs[kind] = (model, opt)
+    (fp32_model, fp32_opt), (model, opt) = runs[True], runs["remainders"]
+    for r, r32 in zip(opt._layout, fp32_opt._layout):
+        assert r.master.dtype == torch.int16 and r32.master.dtype == torch.float32
+        joined = reference.join_remainder(r.param.detach(), r.master)
+        assert torch.equal(joined.view(torch.int32), r32.master.view(torch.int32))
+        assert torch.equal(r.param.detach(), reference.split_remainder(r32.master)[0])
+
+
+def test_checkpoints_of_other_precisions_load(backend):
+    """A checkpoint of the plain torch AdamW over bf16 params (bf16 state), and
+    one of a wrapper with fp32 state, load into a wrapper with the defaults
+    (bf16 state) and back; masters of another kind are refused whole."""
+    model = mlp(dtype=torch.bfloat16)
+    plain = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = data(8)
+    F.mse_loss(model(x.bfloat16()).float(), y).backward()
+    plain.step()
+    opt = ak.AccumulatingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), accum_steps=2, backend=backend)
+    opt.load_state_dict(copy.deepcopy(plain.state_dict()))
+    p0 = next(model.parameters())
+    assert opt.state[p0]["exp_avg"].dtype == torch.bfloat16
+    assert torch.equal(opt.state[p0]["exp_avg"], plain.state[p0]["exp_avg"])
+    opt.close()
+    wide = ak.AccumulatingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), accum_steps=2,
+                                    state_dtype=torch.float32, backend=backend)  # fmt: skip
+    wide.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert wide.state[p0]["exp_avg"].dtype == torch.float32
+    assert torch.equal(wide.state[p0]["exp_avg"], plain.state[p0]["exp_avg"].float())
+    back = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    back.load_state_dict(copy.deepcopy(wide.state_dict()))
+    assert back.state[p0]["exp_avg"].dtype == torch.bfloat16  # torch keeps state in the param dtype
+    wide.close()
+    fp32_masters = ak.AccumulatingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), accum_steps=2,
+                                            master_weights=True, backend=backend)  # fmt: skip
+    saved = copy.deepcopy(fp32_masters.state_dict())
+    fp32_masters.close()
+    rems = ak.AccumulatingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), accum_steps=2,
+                                    master_weights="remainders", backend=backend)  # fmt: skip
+    with pytest.raises(ValueError, match="remainders"):
+        rems.load_state_dict(saved)
+
+
+def test_rejects_bad_precision_options():
+    model = mlp()
+    with pytest.raises(ValueError, match="master_weights"):
+        ak.AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), master_weights="fp8")
+    with pytest.raises(ValueError, match="state_dtype"):
+        ak.AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), state_dtype=torch.float16)
+    with pytest.raises(ValueError, match="float16"):
+        ak.AccumulatingOptimizer(torch.optim.SGD(mlp().half().parameters(), lr=0.1), master_weights="remainders")
+    with pytest.raises(ValueError, match="state_dtype needs SGD, Adam or AdamW"):
+        ak.AccumulatingOptimizer(torch.optim.RMSprop(model.parameters()), state_dtype=torch.bfloat16)
 
 
 def test_checkpoints_interoperate_with_the_plain_optimizer(backend):

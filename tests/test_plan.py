@@ -71,13 +71,23 @@ def test_bad_input():
 
 
 def test_static_part_follows_the_options():
+    """bf16 params, AdamW: by default 2 bf16 moments (4 bytes per param); fp32
+    masters bring fp32 state (8, 12 with amsgrad's maximum) and 4 bytes, remainders 2."""
     model = gpt().to(torch.bfloat16)
-    plain = ak.plan.static_bytes(torch.optim.AdamW(model.parameters()))
-    masters = ak.plan.static_bytes(torch.optim.AdamW(model.parameters(), amsgrad=True), master_weights=True)
     n = sum(p.numel() for p in model.parameters())
+    steps = 4 * len(list(model.parameters()))
+
+    def static(**options):
+        amsgrad = options.pop("amsgrad", False)
+        return ak.plan.static_bytes(torch.optim.AdamW(model.parameters(), amsgrad=amsgrad), **options)
+
+    plain, masters = static(), static(amsgrad=True, master_weights=True)
+    remainders, fp32_state = static(master_weights="remainders"), static(state_dtype=torch.float32)
     assert plain["params"] == 2 * n and plain["master weights"] == 0
-    assert masters["master weights"] == 4 * n
-    assert masters["optimizer state"] - plain["optimizer state"] == 4 * n  # amsgrad's maximum
+    assert plain["optimizer state"] == 4 * n + steps
+    assert masters["master weights"] == 4 * n and masters["optimizer state"] == 12 * n + steps
+    assert remainders["master weights"] == 2 * n and remainders["optimizer state"] == 8 * n + steps
+    assert fp32_state["optimizer state"] == 8 * n + steps
     assert plain["fp32 buffers"] >= 4 * n
 
 

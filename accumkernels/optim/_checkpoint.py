@@ -84,15 +84,21 @@ def check_loadable(wrapper, state_dict: dict, extra: dict | None) -> None:
         if master.shape != ours[i].shape:
             raise ValueError(f"checkpoint's master weights of param {i} have shape {tuple(master.shape)}; "
                              f"expected {tuple(ours[i].shape)}")  # fmt: skip
+        if master.dtype != ours[i].dtype:
+            kinds = {torch.float32: "master_weights=True (fp32)", torch.int16: "master_weights='remainders'"}
+            raise ValueError(f"checkpoint's master weights of param {i} are {master.dtype}, saved with "
+                             f"{kinds.get(master.dtype, master.dtype)}; this wrapper keeps {kinds[ours[i].dtype]}")  # fmt: skip
 
 
-def load_fp32_state(wrapper, state_dict: dict) -> None:
+def load_state_in_its_dtype(wrapper, state_dict: dict) -> None:
     """The plain optimizer casts loaded state to the param dtype (bf16 for bf16
-    params): take the checkpoint's own values, in fp32, instead."""
+    params): take the checkpoint's own values instead, in each param's state
+    dtype (exact where the checkpoint was saved in it)."""
     for saved_id, r in _params_in_saved_order(wrapper, state_dict):
         for key, value in state_dict["state"].get(saved_id, {}).items():
             if torch.is_tensor(value) and key != "step" and value.is_floating_point():
-                wrapper.state[r.param][key] = value.to(device=r.local.device, dtype=torch.float32, copy=True)
+                dtype = r.precision.state_dtype
+                wrapper.state[r.param][key] = value.to(device=r.local.device, dtype=dtype, copy=True)
 
 
 # ---- torch.distributed.checkpoint -----------------------------------------------
@@ -141,11 +147,17 @@ def load(wrapper, state_dict: dict) -> None:
     extra = state_dict.pop("accumkernels", None)
     check_loadable(wrapper, state_dict, extra)
     wrapper.optimizer.load_state_dict(state_dict)
-    load_fp32_state(wrapper, state_dict)
+    load_state_in_its_dtype(wrapper, state_dict)
     wrapper._window.clear()
     if extra is not None:
         wrapper._layout.flat.copy_(extra["flat_buffer"])
         wrapper._window.load_state_dict(extra)
     for r in wrapper._layout:  # master weights: the checkpoint's, or the (already loaded) params'
-        if r.master is not None:
-            r.master.copy_(extra["master_weights"][r.index] if extra is not None else r.param_view())
+        if r.master is None:
+            continue
+        if extra is not None:
+            r.master.copy_(extra["master_weights"][r.index])
+        elif r.master.dtype == torch.int16:
+            r.master.zero_()  # a bf16 param is an fp32 value with zero low bits
+        else:
+            r.master.copy_(r.param_view())

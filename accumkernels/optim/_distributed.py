@@ -175,9 +175,10 @@ class BucketReducer:
         self.reset()
 
     def stream_id(self, index: int) -> int:
-        """Param ``index``'s stochastic-rounding stream: the same on every rank
-        (every rank steps the same elements, or disjoint shards of them)."""
-        return index
+        """Param ``index``'s stochastic-rounding stream: all-reduce mode, the
+        same on every rank (every rank steps the same elements); sharded, one
+        per rank, whose shard's element indices start at 0 (as FSDP2's)."""
+        return index * self.world + self.rank if self.sharded else index
 
     def gather_params(self) -> None:
         """Sharded mode, after the step: every bucket's updated params travel in

@@ -61,7 +61,8 @@ class ParamRecord:
     bucket: Bucket | None = None
     buffer: torch.Tensor | None = None  # fp32 view of the flat buffer, laid out like the param
     shard: tuple[int, int] | None = None  # [lo, hi) of its elements this rank steps; None: all
-    master: torch.Tensor | None = None  # fp32 master weights of what this rank steps
+    precision: object = None  # how the fused step keeps it (_update.Precision)
+    master: torch.Tensor | None = None  # master weights of what this rank steps: fp32, or int16 remainders
 
     @property
     def local(self) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from . import _distributed, _fsdp
 from ._intake import INTAKES
 from ._layout import collect_params
-from ._update import optimizer_kind
+from ._update import MASTER_WEIGHTS, STATE_DTYPES, optimizer_kind
 from ._window import NORMALIZE
 
 
@@ -31,8 +31,8 @@ class Options(NamedTuple):
     rank: int
 
 
-def check_options(optimizer, accum_steps, *, normalize, max_grad_norm, master_weights, stochastic_rounding, seed,
-                  intake, bucket_cap_mb, process_group, sharded, wire_dtype) -> Options:  # fmt: skip
+def check_options(optimizer, accum_steps, *, normalize, max_grad_norm, master_weights, stochastic_rounding, state_dtype,
+                  seed, intake, bucket_cap_mb, process_group, sharded, wire_dtype) -> Options:  # fmt: skip
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
     accum_steps = getattr(accum_steps, "accum_steps", accum_steps)  # a WindowPlan gives its own
@@ -51,12 +51,19 @@ def check_options(optimizer, accum_steps, *, normalize, max_grad_norm, master_we
         raise ValueError(f"intake must be None or one of {INTAKES}; got {intake!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32):
         raise ValueError(f"seed must be None or an int in [0, 2**32); got {seed!r}")
-    for flag, name in ((master_weights, "master_weights"), (stochastic_rounding, "stochastic_rounding"),
-                       (sharded, "sharded=True")):  # fmt: skip
+    if isinstance(master_weights, str) and master_weights != "remainders" or master_weights not in MASTER_WEIGHTS:
+        raise ValueError(f"master_weights must be False, True (fp32 copies) or 'remainders'; got {master_weights!r}")
+    if stochastic_rounding not in (None, True, False):
+        raise ValueError(f"stochastic_rounding must be None (bf16 params without master weights), True or False; "
+                         f"got {stochastic_rounding!r}")  # fmt: skip
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"state_dtype must be None, torch.float32 or torch.bfloat16; got {state_dtype!r}")
+    for flag, name in ((master_weights, "master_weights"), (stochastic_rounding, "stochastic_rounding=True"),
+                       (state_dtype is not None, "state_dtype"), (sharded, "sharded=True")):  # fmt: skip
         if flag and optimizer_kind(optimizer) == "fallback":
             raise ValueError(f"{name} needs SGD, Adam or AdamW (the fused step); got {type(optimizer).__name__}")
     if master_weights and stochastic_rounding:
-        raise ValueError("master_weights and stochastic_rounding exclude each other: choose one")
+        raise ValueError("master_weights and stochastic_rounding=True exclude each other: choose one")
     initialized = dist.is_available() and dist.is_initialized()
     if process_group is not None and not initialized:
         raise ValueError("process_group was given but torch.distributed is not initialized")
@@ -68,6 +75,11 @@ def check_options(optimizer, accum_steps, *, normalize, max_grad_norm, master_we
             "window's gradient, so .grad could not show it whole"
         )
     params, groups = collect_params(optimizer)
+    if master_weights == "remainders":
+        fp16 = [i for i, p in enumerate(params) if p.dtype == torch.float16]
+        if fp16:
+            raise ValueError(f"master_weights='remainders' holds the low 16 bits of bf16 params' fp32 masters; params "
+                             f"{fp16[:5]} are float16: use master_weights=True (fp32 copies)")  # fmt: skip
     mesh = _fsdp_mesh(params, intake, sharded, process_group, wire_dtype)
     devices = {p.device for p in params}
     if len(devices) > 1:

@@ -1,11 +1,14 @@
 """The window's update: the fused step-and-zero ops for SGD, Adam and AdamW
 (hyperparameters read from the param groups at every window), the fallback
 that hands any other optimizer the window's gradient as ``.grad``, the global
-gradient norm for clipping, fp32 master weights and the stochastic-rounding
-streams (each param's stream id is its index in the wrapper, so no two params
-share random bits, whatever kernel call they are stepped in)."""
+gradient norm for clipping, each param's precision (master weights, rounding,
+state dtype) and the stochastic-rounding streams (each param's stream id is
+its index in the wrapper, so no two params share random bits, whatever kernel
+call they are stepped in)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -16,6 +19,48 @@ from ._layout import Layout, ParamRecord
 KINDS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
 _STATE_KEYS = {"sgd": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
                "adamw": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")}  # fmt: skip
+
+
+MASTER_WEIGHTS = (False, True, "remainders")
+STATE_DTYPES = (None, torch.float32, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How the fused step keeps one param (chosen by ``precision_of``).
+
+    master       None; "fp32": an fp32 copy (4 bytes per element); "remainders":
+                 an int16 of the fp32 master's low 16 bits, whose high 16 bits
+                 the bf16 param holds (2 bytes: param and remainder are the
+                 fp32 master bit for bit)
+    stochastic   round the updated bf16 param stochastically (unbiased)
+    state_dtype  of its optimizer state (bf16: rounded stochastically)
+    """
+
+    master: str | None
+    stochastic: bool
+    state_dtype: torch.dtype
+
+    def state_bytes(self) -> int:
+        return torch.finfo(self.state_dtype).bits // 8
+
+    def master_bytes(self) -> int:
+        return {None: 0, "fp32": 4, "remainders": 2}[self.master]
+
+
+def precision_of(param_dtype: torch.dtype, *, master_weights, stochastic_rounding, state_dtype) -> Precision:
+    """The wrapper's options for one param. Defaults (``None``): bf16 params
+    without master weights are rounded stochastically and keep their state in
+    bf16; every other param keeps fp32 state and rounds to nearest."""
+    low = param_dtype in (torch.bfloat16, torch.float16)
+    master = None
+    if master_weights and low:
+        master = "remainders" if master_weights == "remainders" else "fp32"
+    bf16_alone = param_dtype == torch.bfloat16 and master is None
+    stochastic = bf16_alone if stochastic_rounding is None else bool(stochastic_rounding) and bf16_alone
+    if state_dtype is None:
+        state_dtype = torch.bfloat16 if bf16_alone else torch.float32
+    return Precision(master, stochastic, state_dtype)
 
 
 def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
@@ -36,25 +81,27 @@ def clip_coefficient(max_norm: float, norm: torch.Tensor) -> torch.Tensor:
 class Updater:
     """Steps the params of a window from the buffers."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, layout: Layout, *, master_weights: bool,
-                 stochastic_rounding: bool, backend: str | None, sync=None) -> None:  # fmt: skip
+    def __init__(self, optimizer: torch.optim.Optimizer, layout: Layout, *, master_weights, stochastic_rounding,
+                 state_dtype, backend: str | None, sync=None) -> None:  # fmt: skip
         # sync: the window's cross-rank part (None on one process), for global
         # norms and stochastic-rounding stream ids.
         self.sync = sync
         self.optimizer = optimizer
         self.kind = optimizer_kind(optimizer)
         self.layout = layout
-        self.stochastic_rounding = stochastic_rounding
         self.backend = backend
-        self.master_weights = master_weights
+        for r in layout:
+            r.precision = precision_of(r.param.dtype, master_weights=master_weights if self.kind != "fallback" else False,
+                                       stochastic_rounding=stochastic_rounding if self.kind != "fallback" else False,
+                                       state_dtype=state_dtype if self.kind != "fallback" else torch.float32)  # fmt: skip
 
     def make_masters(self) -> None:
-        """fp32 master weights for the bf16/fp16 params this rank steps."""
-        if not self.master_weights:
-            return
+        """The master weights of the params this rank steps: an fp32 copy, or
+        zero remainders (a bf16 param is an fp32 value with zero low bits)."""
         for r in self.layout:
-            if r.param.dtype in (torch.bfloat16, torch.float16) and r.stepped_here:
-                r.master = r.param_view().detach().float().clone()
+            if r.precision.master is not None and r.stepped_here:
+                view = r.param_view().detach()
+                r.master = view.float().clone() if r.precision.master == "fp32" else torch.zeros_like(view, dtype=torch.int16)
 
     @property
     def state_keys(self) -> tuple[str, ...]:
@@ -106,27 +153,31 @@ class Updater:
         chosen = {r.index for r in records if r.stepped_here}
         for g, group in enumerate(self.optimizer.param_groups):
             members = [r for r in (self.layout.record(p) for p in group["params"]) if r.index in chosen]
-            # One kernel call per (master weights or not, first SGD momentum step or not).
-            for with_master in (True, False):
-                subset = [r for r in members if (r.master is not None) == with_master]
-                if subset:
-                    if self.kind == "sgd":
-                        self._sgd(group, subset, grad_scale, found_inf, seed, zero_buffers)
-                    else:
-                        self._adam(group, subset, grad_scale, found_inf, seed, zero_buffers)
+            # One kernel call per (master weights, state dtype) and, for SGD,
+            # first momentum step or not: a call takes one kind of each.
+            calls: dict[tuple, list[ParamRecord]] = {}
+            for r in members:
+                calls.setdefault((r.precision.master, r.precision.state_dtype), []).append(r)
+            for subset in calls.values():
+                if self.kind == "sgd":
+                    self._sgd(group, subset, grad_scale, found_inf, seed, zero_buffers)
+                else:
+                    self._adam(group, subset, grad_scale, found_inf, seed, zero_buffers)
 
     def _state_like(self, r: ParamRecord, key: str) -> torch.Tensor:
-        """The fp32 state tensor ``key`` of ``r`` (of this rank's elements),
-        created as zeros laid out like what is stepped if missing. For an FSDP2
-        param the state is a DTensor sharded like it (what torch.optim keeps,
-        and what torch.distributed.checkpoint saves); the kernels get its local
-        shard."""
+        """The state tensor ``key`` of ``r`` (of this rank's elements) in the
+        param's state dtype, created as zeros laid out like what is stepped if
+        missing (or converted, if it is of another dtype, device or layout).
+        For an FSDP2 param the state is a DTensor sharded like it (what
+        torch.optim keeps, and what torch.distributed.checkpoint saves); the
+        kernels get its local shard."""
         like = r.param_view()
+        dtype = r.precision.state_dtype
         state = self.optimizer.state[r.param]
         value = state.get(key)
         local = value if value is None or r.local_of is None else local_tensor(value)
-        if local is None or local.dtype != torch.float32 or local.device != like.device or local.stride() != like.stride():
-            fresh = torch.zeros_like(like, dtype=torch.float32, memory_format=torch.preserve_format)
+        if local is None or local.dtype != dtype or local.device != like.device or local.stride() != like.stride():
+            fresh = torch.zeros_like(like, dtype=dtype, memory_format=torch.preserve_format)
             if local is not None:
                 fresh.copy_(local.reshape(fresh.shape))
             value = local = fresh
@@ -147,7 +198,7 @@ class Updater:
         return dict(
             grad_scale=grad_scale, found_inf=found_inf, maximize=group.get("maximize", False),
             master_params=[r.master for r in subset] if subset[0].master is not None else None,
-            zero_buffers=zero_buffers, stochastic_rounding=self.stochastic_rounding, seed=seed,
+            zero_buffers=zero_buffers, stochastic_rounding=any(r.precision.stochastic for r in subset), seed=seed,
             positions=[self._stream_id(r) for r in subset], backend=self.backend,
         )  # fmt: skip
 

@@ -62,9 +62,17 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             window and scale the loss themselves).
         normalize: ``"mean"``, ``"sum"`` or ``"items"`` (see above).
         max_grad_norm: clip the window's gradient to this global L2 norm.
-        master_weights: keep fp32 master weights for bf16/fp16 params.
-        stochastic_rounding: round updated bf16 params stochastically instead
-            (unbiased; no extra memory).
+        master_weights: ``True``: keep fp32 master weights of bf16/fp16 params
+            (4 bytes per param); ``"remainders"``: keep the low 16 bits of bf16
+            params' fp32 masters (2 bytes; param and remainder are the fp32
+            master bit for bit).
+        stochastic_rounding: round updated bf16 params stochastically
+            (unbiased; no extra memory). Default (None): on for bf16 params
+            without master weights; ``False``: round to nearest even.
+        state_dtype: the dtype of the optimizer state (momentum, Adam's
+            moments): ``torch.float32`` or ``torch.bfloat16`` (rounded
+            stochastically). Default (None): bf16 for bf16 params without
+            master weights, else fp32.
         seed: the stochastic-rounding seed of the run (default: drawn from torch's
             generator); saved in ``state_dict()``.
         grad_scaler: the ``torch.amp.GradScaler`` scaling the loss, if any (one
@@ -92,8 +100,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         *,
         normalize: str = "mean",
         max_grad_norm: float | None = None,
-        master_weights: bool = False,
-        stochastic_rounding: bool = False,
+        master_weights: bool | str = False,
+        stochastic_rounding: bool | None = None,
+        state_dtype: torch.dtype | None = None,
         seed: int | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
         skip_nonfinite: bool = False,
@@ -107,9 +116,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if isinstance(optimizer, AccumulatingOptimizer):
             raise TypeError("optimizer is already an AccumulatingOptimizer")
         o = check_options(optimizer, accum_steps, normalize=normalize, max_grad_norm=max_grad_norm,
-                          master_weights=master_weights, stochastic_rounding=stochastic_rounding, seed=seed,
-                          intake=intake, bucket_cap_mb=bucket_cap_mb, process_group=process_group, sharded=sharded,
-                          wire_dtype=wire_dtype)  # fmt: skip
+                          master_weights=master_weights, stochastic_rounding=stochastic_rounding,
+                          state_dtype=state_dtype, seed=seed, intake=intake, bucket_cap_mb=bucket_cap_mb,
+                          process_group=process_group, sharded=sharded, wire_dtype=wire_dtype)  # fmt: skip
         accum_steps, intake, params, mesh = o.accum_steps, o.intake, o.params, o.mesh
         # torch.optim.Optimizer's machinery (hooks, step patching), sharing the
         # wrapped optimizer's param_groups and state rather than copying them.
@@ -121,7 +130,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._patch_step_function()
 
         self.accum_steps, self.normalize, self.max_grad_norm = accum_steps, normalize, max_grad_norm
-        self.backend, self.stochastic_rounding, self.intake = backend, stochastic_rounding, intake
+        self.backend, self.intake = backend, intake
         self.device = o.device
         self.process_group, self.world_size, self.rank = o.process_group, o.world_size, o.rank
         self.sharded = sharded and self.world_size > 1
@@ -141,7 +150,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 self._layout.set_shards(lambda b: self._sync.shard(b.index))
         self._ddp_watch = _distributed.DDPWatch(params, self._window) if o.initialized and mesh is None else None
         self._updater = Updater(optimizer, self._layout, master_weights=master_weights,
-                                stochastic_rounding=stochastic_rounding, backend=backend, sync=self._sync)  # fmt: skip
+                                stochastic_rounding=stochastic_rounding, state_dtype=state_dtype, backend=backend,
+                                sync=self._sync)  # fmt: skip
         self._updater.make_masters()
         self._intake = make_intake(
             intake, self._layout, self._window, backend=backend, skip_nonfinite=skip_nonfinite,
