@@ -14,9 +14,9 @@ static    what the wrapper setup holds whatever the micro-batch: the params, the
 a + c*b   what a micro-step allocates beyond that (activations, temporaries,
           gradients in flight), measured by running forward and backward at a
           few small micro-batch sizes b with the wrapper installed (CUDA: the
-          allocator's peak; CPU: torch's MemTracker, which follows every tensor
-          storage), and fitted by least squares (the fit's worst relative
-          residual is reported);
+          allocator's peak; CPU: the running sum of torch's profiler memory
+          events, every allocation and free), and fitted by least squares (the
+          fit's worst relative residual is reported);
 margin    allocator and workspace slack: 5 % of the rest.
 
 No out-of-memory retry loop: nothing runs at sizes that were not asked for.
@@ -156,21 +156,25 @@ def _measure(model, loss_fn, optimizer, sizes, device, wrapper_options) -> tuple
                 torch.cuda.synchronize(device)
                 measured.append(torch.cuda.max_memory_allocated(device) - before)
             else:
-                import warnings
-
-                from torch.distributed._tools.mem_tracker import MemTracker
-
-                tracker = MemTracker()
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # MemTracker's notes about None outputs
-                    with tracker:
-                        _micro_step(model, loss_fn, wrapper, b)
-                peak = tracker.get_tracker_snapshot("peak").get(device, {})
-                static = sum(v for k, v in peak.items() if str(k).split(".")[-1] in ("PARAM", "BUFFER", "OPT"))
-                measured.append(int(peak.get("Total", 0) - static))
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                            profile_memory=True) as prof:  # fmt: skip
+                    _micro_step(model, loss_fn, wrapper, b)
+                measured.append(profiled_peak(prof))
     finally:
         wrapper.close()
     return measured, time.perf_counter() - start
+
+
+def profiled_peak(prof) -> int:
+    """The peak of the CPU allocator's live bytes over a ``torch.profiler``
+    run with ``profile_memory=True``, relative to its start: the running sum
+    of its memory events, every allocation and free, in time order."""
+    events = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage)
+    live = peak = 0
+    for _, change in events:
+        live += change
+        peak = max(peak, live)
+    return peak
 
 
 def _micro_step(model, loss_fn, wrapper, b: int) -> None:

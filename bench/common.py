@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from accumkernels.plan import profiled_peak  # noqa: F401  (the benchmarks' CPU peak, the planner's too)
+
 # A run writes to bench/results/local/ (not tracked by git) unless told where;
 # the reference results committed with the code live in bench/results/ and are
 # written there only on purpose (--results-dir bench/results).
@@ -41,18 +43,6 @@ def interleaved_medians(fns: list, device: torch.device, *, reps: int, warmup: i
             synchronize(device)
             out.append(time.perf_counter() - t0)
     return [statistics.median(t) for t in times]
-
-
-def profiled_peak(prof) -> int:
-    """The peak of the CPU allocator's live bytes over a ``torch.profiler``
-    run with ``profile_memory=True``: the running sum of its memory events,
-    every allocation and free, in time order."""
-    events = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage)
-    live = peak = 0
-    for _, change in events:
-        live += change
-        peak = max(peak, live)
-    return peak
 
 
 def cpu_model() -> str:

@@ -297,8 +297,9 @@ def modes_agree(cfg, rank, world):
 
 def misuse(cfg, rank, world):
     """What the wrapper refuses in the window's last micro-step, after its
-    backward has launched the reductions: reading the buffers, a second backward;
-    and clip_grad_norm_() in distributed runs at all."""
+    backward has launched the reductions: reading the buffers, a second backward
+    (and the step() after it, which sees two gradients for a param); and
+    clip_grad_norm_() in distributed runs at all."""
     model = Net()
     opt = wrapped(cfg, model)
     errors = {}
@@ -317,7 +318,11 @@ def misuse(cfg, rank, world):
             errors[name] = None
         except RuntimeError as e:
             errors[name] = str(e)
-    opt.step()  # the window still completes on every rank
+    try:  # the refused second backward left a second gradient for some params: step() refuses too
+        opt.step()
+        errors["step"] = None
+    except RuntimeError as e:
+        errors["step"] = str(e)
     return {"errors": errors, "micro_steps": opt.micro_steps}
 
 

@@ -225,7 +225,8 @@ def test_misuse_during_the_reduction_is_refused(runs):
             assert "being reduced across ranks" in errors[name], errors[name]
         assert "max_grad_norm=" in errors["clip_grad_norm_"]
         assert "cross-rank reduction has already started" in errors["second_backward"]
-        assert r["misuse"]["micro_steps"] == 0  # the window ended
+        assert "got 2 gradients since the last step()" in errors["step"]
+        assert r["misuse"]["micro_steps"] == worker.N_MICRO - 1  # nothing stepped
 
 
 def test_distributed_options_need_a_process_group():

@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import accumkernels as ak
+from accumkernels.optim._folded import FoldedGrad
 from accumkernels.testing import GPT
 
 # Adam's update lr * m / (sqrt(v) + eps) turns a gradient element near zero
@@ -76,7 +77,7 @@ def test_micro_batches_equal_big_batch(backend, name):
     opt = ak.AccumulatingOptimizer(cls(ours.parameters(), **hyper), accum_steps=4, backend=backend)
     micro_batch_run(ours, opt, windows, 4)
     assert rel_diff(ours, plain) <= 1e-5
-    assert all(p.grad is None for p in ours.parameters())
+    assert all(isinstance(p.grad, FoldedGrad) for p in ours.parameters()), "no .grad storage beside the buffers"
 
 
 def test_accumulated_grad_is_the_big_batch_gradient(backend):
@@ -425,7 +426,7 @@ def test_no_grad_is_kept_beside_the_buffers(backend):
                                    backend=backend)  # fmt: skip
     x, y = data(8)
     F.mse_loss(model(x), y).backward()
-    assert all(p.grad is None for p in model.parameters()), "every bucket is folded during backward"
+    assert all(isinstance(p.grad, FoldedGrad) for p in model.parameters()), "every bucket is folded during backward"
     assert len(opt._layout.buckets) > 1
 
 
@@ -755,3 +756,144 @@ def test_compiled_and_checkpointed_models(intake, wrap_model):
     micro_batch_run(model, opt, windows, 4)
     assert opt.optimizer.state[next(ours.parameters())]["step"].item() == 2
     assert rel_diff(ours, plain) <= 1e-5
+
+
+# ---- natural mistakes: the plain run's result, or an error naming the setting ----
+
+
+def classic_loop(model, opt, windows, n_micro, *, clip=None):
+    """The loop people port: loss / N, step() every N-th batch (and torch's clip before it)."""
+    for x, y in windows:
+        for xb, yb in zip(x.chunk(n_micro), y.chunk(n_micro)):
+            (F.mse_loss(model(xb), yb) / n_micro).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("clip", [None, 0.5], ids=["no-clip", "clip"])
+def test_the_classic_loop_with_the_wrapper_swapped_in_equals_plain(backend, clip):
+    """The one-line swap: the same loop, the wrapper with its defaults
+    (accum_steps=None: every step() ends a window; intake 'grad': .grad is the
+    window's fp32 sum, which torch's clip_grad_norm_ clips)."""
+    windows = [(x * 30, y) for x, y in (data() for _ in range(3))]
+    plain, ours = mlp(), mlp()
+    classic_loop(plain, torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9), windows, 4, clip=clip)
+    opt = ak.AccumulatingOptimizer(torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9), backend=backend)
+    classic_loop(ours, opt, windows, 4, clip=clip)
+    assert rel_diff(ours, plain) <= 1e-5
+
+
+def test_the_classic_loop_with_accum_steps_is_refused():
+    """accum_steps=N added to a loop that accumulates itself: N backward passes
+    reach step(), which refuses (instead of a window of N*N micro-batches)."""
+    model = mlp()
+    opt = ak.AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), accum_steps=4)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"accum_steps=None.*got 4 gradients|got 4 gradients.*accum_steps=None"):
+        classic_loop(model, opt, [data()], 4)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
+def test_torch_clip_with_the_hooks_intake_is_refused():
+    """accum_steps=N (intake 'hooks'): .grad holds the FoldedGrad marker, so
+    torch's clip_grad_norm_ raises, naming max_grad_norm=, instead of clipping
+    nothing and returning 0; so does any read of .grad."""
+    model = mlp()
+    opt = ak.AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), accum_steps=4)
+    x, y = data(8)
+    F.mse_loss(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="max_grad_norm="):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(RuntimeError, match="intake='grad'"):
+        model[0].weight.grad.norm()
+    with pytest.raises(RuntimeError, match="intake='grad'"):
+        model[0].weight.grad.add_(1.0)  # only autograd's own accumulation is absorbed
+    assert "accumulated_grad" in repr(model[0].weight.grad)
+    opt.step()
+    opt.close()
+    assert all(p.grad is None for p in model.parameters()), "close() leaves plain .grad behind"
+
+
+def test_zero_grad_between_backward_and_step_is_refused_by_the_hooks_intake():
+    """Plain PyTorch discards a gradient zeroed before step(); the hooks intake
+    has folded it already, so it refuses (opt.zero_grad() and model.zero_grad())."""
+    for zero in ("opt", "model"):
+        model = mlp()
+        opt = ak.AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), accum_steps=2)
+        x, y = data(8)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()  # after step(): harmless
+        F.mse_loss(model(x), y).backward()
+        with pytest.raises(RuntimeError, match="zero_grad"):
+            if zero == "opt":
+                opt.zero_grad()
+            else:
+                model.zero_grad()
+                opt.step()
+
+
+@pytest.mark.parametrize("placement", ["before-backward", "after-step"])
+def test_zero_grad_placements_equal_plain(backend, placement):
+    """zero_grad() at the start of each iteration or after step(): the window goes on."""
+    windows = [data() for _ in range(3)]
+    plain, ours = mlp(), mlp()
+    big_batch_run(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2, eps=ADAM_EPS), windows)
+    opt = ak.AccumulatingOptimizer(torch.optim.AdamW(ours.parameters(), lr=1e-2, eps=ADAM_EPS), accum_steps=4,
+                                   backend=backend)  # fmt: skip
+    for x, y in windows:
+        for xb, yb in zip(x.chunk(4), y.chunk(4)):
+            if placement == "before-backward":
+                opt.zero_grad()
+            F.mse_loss(ours(xb), yb).backward()
+            opt.step()
+            if placement == "after-step":
+                opt.zero_grad()
+    assert rel_diff(ours, plain) <= 1e-5
+
+
+def test_two_backward_passes_per_micro_step(backend):
+    """Two losses, two backward passes per micro-batch: with accum_steps=N
+    refused (a step() call is one micro-step); with accum_steps=None (step()
+    once per window, as the plain loop) equal to plain."""
+    windows = [data() for _ in range(2)]
+    plain, ours, refused = mlp(), mlp(), mlp()
+
+    def two_losses(model, xb, yb, divisor):
+        out = model(xb)
+        (F.mse_loss(out[:, :2], yb[:, :2]) / divisor).backward(retain_graph=True)
+        (F.mse_loss(out[:, 2:], yb[:, 2:]) / divisor).backward()
+
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    opt = ak.AccumulatingOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9), backend=backend)
+    for x, y in windows:
+        for model, o in ((plain, plain_opt), (ours, opt)):
+            for xb, yb in zip(x.chunk(4), y.chunk(4)):
+                two_losses(model, xb, yb, 4)
+            o.step()
+            o.zero_grad()
+    assert rel_diff(ours, plain) <= 1e-5
+    opt_n = ak.AccumulatingOptimizer(torch.optim.SGD(refused.parameters(), lr=0.1), accum_steps=4, backend=backend)
+    two_losses(refused, *data(8), 1)
+    with pytest.raises(RuntimeError, match="sum their losses"):
+        opt_n.step()
+
+
+def test_a_gradient_assigned_to_grad_is_taken_in(backend):
+    """Code that writes .grad itself (a pipeline schedule's weight gradients, a
+    hand-written update) with the hooks intake: taken in at step(), as plain
+    PyTorch would use it."""
+    plain, ours = mlp(), mlp()
+    grads = [torch.randn_like(p) for p in plain.parameters()]
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for p, g in zip(plain.parameters(), grads):
+        p.grad = g.clone()
+    plain_opt.step()
+    opt = ak.AccumulatingOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1), accum_steps=1, intake="hooks",
+                                   backend=backend)  # fmt: skip
+    for p, g in zip(ours.parameters(), grads):
+        p.grad = g.clone()
+    opt.step()
+    assert rel_diff(ours, plain) <= 1e-6

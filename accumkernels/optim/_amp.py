@@ -83,6 +83,22 @@ def scaler_driving(optimizer):
     return None
 
 
+def checking_inf_for_step() -> bool:
+    """GradScaler.step() is running its own inf check of ``.grad``
+    (``_check_inf_per_device``, with a unit scale) before it calls the step of
+    an optimizer that handles scaling (the wrapper with intake "hooks", which
+    checks every gradient as it folds it)."""
+    code = torch.amp.GradScaler._check_inf_per_device.__code__
+    frame = sys._getframe(1)
+    for _ in range(12):
+        if frame is None:
+            return False
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def unscale_and_check(views: list[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
     """views *= inv_scale in place, and found_inf = 1 if any element is inf or
     NaN (GradScaler's own fused kernel; no host sync)."""

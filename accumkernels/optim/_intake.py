@@ -1,11 +1,14 @@
 """How gradients get into AccumulatingOptimizer's fp32 buffers. Two intakes:
 
-``HookIntake`` ("hooks"): a post-accumulate-grad hook per param marks its
-gradient ready; when a bucket's gradients are all there, one ``accumulate_``
-call folds them into the buffers (cast, loss-scale and inf check in the same
-pass; a param's first gradient of a window overwrites its buffer, so nothing
-is ever zeroed) and frees ``.grad``. At most a bucket's worth of ``.grad``
-lives beside the buffers. ``.grad`` is never visible after backward.
+``HookIntake`` ("hooks"): a hook per param takes its gradient as autograd
+computes it (a tensor hook on the param, run before autograd would add it into
+``.grad``; FSDP2: a post-accumulate-grad hook, once FSDP2 handed the reduced
+shard over); when a bucket's gradients are all there, one ``accumulate_`` call
+folds them into the buffers (cast, loss-scale and inf check in the same pass; a
+param's first gradient of a window overwrites its buffer, so nothing is ever
+zeroed). At most a bucket's worth of gradients lives beside the buffers.
+``.grad`` holds a ``FoldedGrad`` marker (accumkernels.optim._folded) that
+raises, naming what to use instead, wherever code tries to read it.
 
 ``GradIntake`` ("grad"): each param's ``.grad`` *is* its fp32 buffer view
 (bf16/fp16 params get ``grad_dtype = torch.float32``), and autograd adds each
@@ -13,6 +16,10 @@ new gradient into it in place. Code that reads or edits ``.grad`` after
 backward (framework clipping, ``GradScaler.unscale_``, norm logging) works on
 the window's true sum. A marker hook per param records which params got a
 gradient. The step clears the buffers (``zero_buffers=True``).
+
+Both count the gradients each param receives between step() calls: with
+``accum_steps=N`` a step() call is one micro-step, and a second backward
+before it (a loop or framework that accumulates itself) is refused there.
 
 A param is owned by one live intake at a time: a second wrapper over the same
 params is refused until the first is closed.
@@ -28,6 +35,7 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import ops
+from ._folded import FoldedGrad
 from ._layout import Bucket, Layout, ParamRecord
 from ._window import Window
 
@@ -37,15 +45,22 @@ INTAKES = ("hooks", "grad")
 _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def _call_weak(ref, name, index, param) -> None:
+def _call_weak(ref, name, index, arg) -> None:
+    """A hook's call into its intake, held weakly; ``arg`` is what the hook was
+    given (the param for post-accumulate-grad hooks, the gradient for tensor hooks)."""
     intake = ref()
     if intake is not None:
-        getattr(intake, name)(index)
+        getattr(intake, name)(index, arg)
 
 
-def _remove(handles) -> None:
+def _remove(handles, markers=None) -> None:
+    """Remove the hooks; a param whose ``.grad`` still holds its FoldedGrad
+    marker (intake "hooks") gets None back, so that it trains on as plain PyTorch."""
     for handle in handles.values():
         handle.remove()
+    for param, marker in (markers or {}).values():
+        if param.grad is marker:
+            param.grad = None
 
 
 class Intake:
@@ -72,10 +87,12 @@ class Intake:
         # torch.distributed initialized after the wrapper was built: noticed at
         # the first gradient, before a DDP module's reducer could act on it.
         self._watch_late_init = not (dist.is_available() and dist.is_initialized())
+        self.arrivals: dict[int, int] = {}  # param index -> gradients received since the last step()
         self._claim()
         self._handles: dict[int, torch.utils.hooks.RemovableHandle] = {}
+        self._markers: dict[int, tuple[torch.Tensor, FoldedGrad]] = {}  # param index -> (param, its .grad marker)
         self._hook = functools.partial(_call_weak, weakref.ref(self), "_on_grad")
-        weakref.finalize(self, _remove, self._handles)
+        weakref.finalize(self, _remove, self._handles, self._markers)
         self._hook_trainable()
 
     def _claim(self) -> None:
@@ -96,11 +113,13 @@ class Intake:
         candidates = getattr(self, "_unhooked", self.layout.records)
         new = [r for r in candidates if r.param.requires_grad]
         for r in new:
-            self._handles[r.index] = r.param.register_post_accumulate_grad_hook(
-                functools.partial(self._hook, r.index)
-            )
+            self._handles[r.index] = self._register(r, functools.partial(self._hook, r.index))
         self._unhooked = [r for r in candidates if r.index not in self._handles]
         return new
+
+    def _register(self, r: ParamRecord, hook):
+        """The hook that hands ``r``'s gradients to ``_on_grad`` (post-accumulate-grad by default)."""
+        return r.param.register_post_accumulate_grad_hook(hook)
 
     def refresh(self) -> None:
         """At every step(): params unfrozen since the last call get their hook
@@ -114,8 +133,19 @@ class Intake:
                 if r.param.grad is not None:
                     self._take_late(r)
 
+    def start_micro_step(self) -> None:
+        """A step() call took this micro-step's gradients: count afresh."""
+        self.arrivals.clear()
+
+    def backwards_since_step(self) -> tuple[int, int]:
+        """(the most gradients any param got since the last step(), that param's index)."""
+        if not self.arrivals:
+            return 0, -1
+        index = max(self.arrivals, key=self.arrivals.get)
+        return self.arrivals[index], index
+
     def close(self) -> None:
-        _remove(self._handles)
+        _remove(self._handles, self._markers)
         self._handles.clear()
         for r in self.layout:
             if _OWNERS.get(r.param) is not None and _OWNERS[r.param]() is self:
@@ -130,11 +160,12 @@ class Intake:
             )
         self._watch_late_init = dist.is_initialized() is False and self.window.windows == 0
 
-    def _on_grad(self, index: int) -> None:
-        """A param's post-accumulate-grad hook: its gradient is in ``.grad``."""
+    def _on_grad(self, index: int, arg) -> None:
+        """A param's hook: its gradient is ready (``arg``: what the hook got)."""
         if self._watch_late_init:
             self._refuse_late_init()
-        self._take(self.layout.records[index])
+        self.arrivals[index] = self.arrivals.get(index, 0) + 1
+        self._take(self.layout.records[index], arg)
 
     @property
     def check_inf(self) -> bool:
@@ -158,19 +189,29 @@ class HookIntake(Intake):
     name = "hooks"
 
     def __init__(self, *args, **kwargs) -> None:
-        self._pending: dict[int, list[ParamRecord]] = {}  # bucket index -> records whose gradient is waiting
+        self._pending: dict[int, list[tuple[ParamRecord, torch.Tensor]]] = {}  # bucket -> (record, gradient)
         super().__init__(*args, **kwargs)
 
-    def _take(self, r: ParamRecord) -> None:
-        grad = r.param.grad
-        if grad is None:
-            return
+    def _register(self, r: ParamRecord, hook):
+        if r.local_of is not None:  # FSDP2 assigns the reduced shard to .grad and runs these hooks itself
+            return r.param.register_post_accumulate_grad_hook(hook)
+        self._markers[r.index] = (r.param, FoldedGrad(r.param, r.index))
+        return r.param.register_hook(hook)
+
+    def _take(self, r: ParamRecord, arg) -> None:
+        if r.local_of is not None:
+            grad = r.local_grad()
+            if grad is None:
+                return
+        else:
+            grad = arg
+            self._install_marker(r)
         if grad.layout != torch.strided:
             raise RuntimeError(
                 f"AccumulatingOptimizer: param {r.index} got a sparse gradient; the 'hooks' intake takes dense "
                 "gradients only (intake='grad' adds sparse gradients into the dense buffer)"
             )
-        self._check_shape(r, grad if r.local_of is None else r.local_of(grad))
+        self._check_shape(r, grad)
         bucket = r.bucket
         last = self.bucket_done is not None and self.last_micro_step()
         if last and self.bucket_done.launched(bucket):
@@ -180,15 +221,31 @@ class HookIntake(Intake):
                 "once per micro-step"
             )
         pending = self._pending.setdefault(bucket.index, [])
-        pending.append(r)
+        pending.append((r, grad))
         self.window.grads_since_step = True
         if len(pending) >= bucket.expected:
             self._fold(bucket)
             if last:
                 self.bucket_done(bucket)
 
+    def _install_marker(self, r: ParamRecord) -> None:
+        """Before autograd adds the gradient the hook just took into ``.grad``:
+        ``.grad`` becomes (or stays) the marker, which absorbs that addition. A
+        tensor found there instead was put there by other code since (a
+        pipeline schedule's manual accumulation, an assignment): it is a
+        gradient too, taken in."""
+        marker = self._markers[r.index][1]
+        existing = r.param.grad
+        if existing is not marker:
+            if existing is not None:
+                self._pending.setdefault(r.bucket.index, []).append((r, existing))
+            r.param.grad = marker
+        marker.expect = True
+
     def _take_late(self, r: ParamRecord) -> None:
-        self._pending.setdefault(r.bucket.index, []).append(r)
+        self._pending.setdefault(r.bucket.index, []).append((r, r.local_grad()))
+        if r.local_of is None:
+            r.param.grad = self._markers[r.index][1]
         self.window.grads_since_step = True
 
     def flush(self) -> None:
@@ -198,30 +255,66 @@ class HookIntake(Intake):
             if self._pending.get(bucket.index):
                 self._fold(bucket)
 
+    def check_grads(self) -> None:
+        """At step(): every param that got a gradient since the last step()
+        still holds its marker; one found with None was dropped after backward
+        (``model.zero_grad()`` before step()), which in plain PyTorch discards
+        the gradient: its sum here is already folded, so that is refused. A
+        gradient assigned to ``.grad`` by other code is taken in."""
+        for r in self.layout:
+            if r.local_of is not None:
+                continue
+            grad = r.param.grad
+            marker = self._markers.get(r.index, (None, None))[1]
+            if grad is marker or grad is None and r.index not in self.arrivals:
+                continue
+            if grad is None:
+                raise RuntimeError(
+                    f"param {r.index}'s .grad was set to None between its backward and step() (e.g. "
+                    "model.zero_grad() before opt.step()): in plain PyTorch that discards the gradient, but "
+                    "intake='hooks' has folded it into the window already. Call zero_grad() after step() (or before "
+                    "the backward), or use intake='grad'"
+                )
+            if r.index in self._markers and r.param.requires_grad:
+                self._take_late(r)
+
     @torch.no_grad()
     def _fold(self, bucket: Bucket) -> None:
-        # A gradient the user dropped after it arrived (module.zero_grad()) is gone.
-        records = [r for r in self._pending.pop(bucket.index, []) if r.param.grad is not None]
+        taken = self._pending.pop(bucket.index, [])
         found_inf = self.window.step_found_inf if self.check_inf else None
         scale = self.loss_scale()
         touched = self.window.touched
-        for overwrite in (True, False):
-            chosen = [r for r in records if (r.index not in touched) == overwrite]
-            if chosen:
-                ops.accumulate_([r.buffer for r in chosen], [r.local_grad() for r in chosen], scale,
-                                overwrite=overwrite, found_inf=found_inf, backend=self.backend)  # fmt: skip
-        for r in records:
+        # A param's first gradient of the window overwrites its buffer; every
+        # later one (a second gradient in the same bucket included) adds.
+        first, more, seen = [], [], set()
+        for r, g in taken:
+            (more if r.index in touched or r.index in seen else first).append((r, g))
+            seen.add(r.index)
+        for overwrite, pairs in ((True, first), (False, more)):
+            if pairs:
+                ops.accumulate_([r.buffer for r, _ in pairs], [g for _, g in pairs], scale, overwrite=overwrite,
+                                found_inf=found_inf, backend=self.backend)  # fmt: skip
+        for r, _ in taken:
             touched.add(r.index)
-            r.param.grad = None
+            if r.local_of is not None:
+                r.param.grad = None
 
     def zero_grad(self) -> None:
-        """Harmless: folds what is waiting (the window goes on) and drops ``.grad``."""
+        """Harmless where it belongs, after step() (or before a backward):
+        folds what is waiting, the window goes on. Between a backward and its
+        step() it is refused: plain PyTorch would discard that gradient, which
+        this intake has folded already."""
+        if self.window.grads_since_step:
+            raise RuntimeError(
+                "zero_grad() between a backward and step(): in plain PyTorch that discards the gradient, but "
+                "intake='hooks' has folded it into the window already. Call zero_grad() after step() (or before the "
+                "backward), or use intake='grad'"
+            )
         self.flush()
-        for r in self.layout:
-            r.param.grad = None
 
     def set_grad(self, r: ParamRecord, grad: torch.Tensor | None) -> None:
-        r.param.grad = grad
+        """``.grad`` for the fallback optimizer's step, then back to the marker (None under FSDP2)."""
+        r.param.grad = grad if grad is not None or r.local_of is not None else self._markers.get(r.index, (None, None))[1]
 
 
 class GradIntake(Intake):
@@ -252,7 +345,7 @@ class GradIntake(Intake):
             return self.last_micro_step()
         return bool(self.window.sync_intent)  # a DDP module said so; else the reduction waits for step()
 
-    def _take(self, r: ParamRecord) -> None:
+    def _take(self, r: ParamRecord, arg=None) -> None:
         grad = r.param.grad
         reducer = self.bucket_done
         if reducer is not None and not self._reduction_queued:
@@ -290,7 +383,10 @@ class GradIntake(Intake):
         self.bucket_done.reduce_now()
 
     def _take_late(self, r: ParamRecord) -> None:
-        self._on_grad(r.index)
+        self._on_grad(r.index, r.param)
+
+    def check_grads(self) -> None:
+        """At step(): ``.grad`` dropped or replaced since backward is handled by flush()."""
 
     def flush(self) -> None:
         """Re-attach every view whose ``.grad`` was dropped or replaced since."""

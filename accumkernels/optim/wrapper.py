@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import _amp, _checkpoint, _distributed, _fsdp
+from . import _amp, _checkpoint, _distributed, _fsdp, _guards
 from ._intake import INTAKES, make_intake
 from ._layout import Layout, param_signature
 from ._options import check_options
@@ -149,6 +149,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             if self.sharded:
                 self._layout.set_shards(lambda b: self._sync.shard(b.index))
         self._ddp_watch = _distributed.DDPWatch(params, self._window) if o.initialized and mesh is None else None
+        self._caller_checked = False  # whether the first step() call looked for a framework calling it
         self._updater = Updater(optimizer, self._layout, master_weights=master_weights,
                                 stochastic_rounding=stochastic_rounding, state_dtype=state_dtype, backend=backend,
                                 sync=self._sync)  # fmt: skip
@@ -206,13 +207,16 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if param_signature(self.optimizer) != self._signature:
             raise RuntimeError("the wrapped optimizer's params changed after wrapping (a param group was added or "
                                "edited); add every param group before wrapping it")  # fmt: skip
+        self._refuse_silent_mistakes()
         window = self._window
         window.count_items(num_items)
         ends_window = self.accum_steps is None or window.micro_steps + 1 >= self.accum_steps
         _amp.meet_driver(self, intake=self._intake, loss_scale=self._loss_scale, ends_window=ends_window,
                          device=self.device)  # fmt: skip
         self._intake.refresh()
+        self._intake.check_grads()
         self._intake.flush()
+        self._intake.start_micro_step()
         step_found_inf = window.end_micro_step(self._check_inf)
         self._loss_scale.next_micro_step()
         if self.intake == "hooks":
@@ -321,6 +325,18 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     def _check_inf(self) -> bool:
         """Inf/NaN gradients skip the window: with a GradScaler (given or found) or skip_nonfinite."""
         return self._intake.check_inf
+
+    def _refuse_silent_mistakes(self) -> None:
+        """What a ported loop or a framework would get silently wrong with
+        accum_steps=N (accumkernels.optim._guards)."""
+        if self.accum_steps is None:
+            return
+        if not self._caller_checked:
+            _guards.refuse_framework_counting(self.accum_steps)
+            self._caller_checked = True
+        count, index = self._intake.backwards_since_step()
+        if count > 1:
+            _guards.refuse_several_backwards(self.accum_steps, count, index)
 
     def _refuse_during_reduction(self, what: str) -> None:
         if self._sync is not None and self._sync.started:

@@ -1,0 +1,71 @@
+"""What ``.grad`` holds under intake="hooks": a marker that says where the
+gradient went, instead of ``None``.
+
+The hooks intake takes each gradient as it is computed and folds it into the
+wrapper's fp32 buffer, so there is no ``.grad`` to read after backward. With
+``.grad = None``, code written for plain PyTorch reads that silently: torch's
+``clip_grad_norm_`` finds no gradient, clips nothing and returns 0, and a
+logged norm is 0. The marker is a tensor with the param's shape, dtype and
+device and no storage; any operation on it raises an error that says what to
+use instead. The one operation it takes is autograd's own accumulation into
+``.grad`` right after the intake took that gradient (``FoldedGrad.expect``),
+which it absorbs: the gradient is already in the buffer; and GradScaler's
+own inf check before it steps the wrapper, which checked every gradient as it
+folded it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _amp
+
+_ACCUMULATION = (torch.ops.aten.add_.Tensor, torch.ops.aten.add.Tensor)
+_UNSCALE = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
+
+
+class FoldedGrad(torch.Tensor):
+    """``param.grad`` once intake="hooks" folded its gradient (see the module docstring)."""
+
+    @staticmethod
+    def __new__(cls, param: torch.Tensor, index: int):
+        return torch.Tensor._make_wrapper_subclass(cls, param.shape, strides=param.stride(), dtype=param.dtype,
+                                                   device=param.device, requires_grad=False)  # fmt: skip
+
+    def __init__(self, param: torch.Tensor, index: int) -> None:
+        self.index = index
+        self.expect = False  # the intake just took a gradient: autograd's accumulation into .grad follows
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        target = args[0] if args else None
+        if isinstance(target, FoldedGrad):
+            if func in _ACCUMULATION and target.expect:
+                target.expect = False
+                return target
+            if func is torch.ops.aten.detach.default:
+                return target
+        markers = [a for a in args if isinstance(a, FoldedGrad)] + [
+            t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, FoldedGrad)
+        ]
+        if func is _UNSCALE and _amp.checking_inf_for_step():
+            return None  # GradScaler's own check before it steps the wrapper, which checks as it folds
+        index = markers[0].index if markers else None
+        raise RuntimeError(
+            f"AccumulatingOptimizer (intake='hooks') folded param {index}'s gradients into its fp32 buffer during "
+            f"backward: its .grad holds no values, so {func.__name__} cannot use it. Clip with max_grad_norm= (or "
+            "opt.clip_grad_norm_(max_norm)); read the window's gradient with opt.accumulated_grad(param); for code "
+            "that must read or edit .grad (torch.nn.utils.clip_grad_norm_, a framework's clipping or norm logging, "
+            "GradScaler.unscale_, a pipeline schedule's scale_grads), build the wrapper with intake='grad' (the "
+            "default with accum_steps=None)"
+        )
+
+    def __repr__(self) -> str:
+        return (f"FoldedGrad(param {self.index}, shape {tuple(self.shape)}: folded into AccumulatingOptimizer's fp32 "
+                "buffer; opt.accumulated_grad(param) reads it)")  # fmt: skip
+
+    def __deepcopy__(self, memo):
+        raise RuntimeError("a .grad folded by AccumulatingOptimizer (intake='hooks') cannot be copied: copy the model "
+                           "before wrapping it or after opt.close(), or set .grad to None first")  # fmt: skip

@@ -1,0 +1,61 @@
+"""Mistakes that would train silently wrong, refused at ``step()`` with the
+setting to change.
+
+With ``accum_steps=N`` the wrapper counts the window: each ``step()`` call is
+one micro-step. Two natural ports of an existing loop break that silently: a
+loop or framework that accumulates by itself and calls ``step()`` once per
+window (the window becomes N times too long, the loss divided twice), and a
+framework that steps the LR scheduler, clips and logs at every ``step()``
+call. Both are seen at the first ``step()``: a param that got more than one
+gradient since the previous call, and a framework's code on the call stack.
+"""
+
+from __future__ import annotations
+
+import sys
+
+# Top-level packages whose code calls optimizer.step() for the user, and the
+# setting in which each counts the window itself.
+FRAMEWORKS = {
+    "transformers": "HF Trainer (TrainingArguments(gradient_accumulation_steps=...))",
+    "accelerate": "Accelerate (Accelerator(gradient_accumulation_steps=...))",
+    "pytorch_lightning": "Lightning (Trainer(accumulate_grad_batches=...))",
+    "lightning": "Lightning (Trainer(accumulate_grad_batches=...))",
+}
+
+
+def frameworks_calling() -> list[str]:
+    """The frameworks (FRAMEWORKS' keys) whose code is on the call stack of
+    the current step() call, innermost first."""
+    found, frame = [], sys._getframe(2)
+    for _ in range(60):
+        if frame is None:
+            break
+        top = frame.f_globals.get("__name__", "").partition(".")[0]
+        if top in FRAMEWORKS and top not in found:
+            found.append(top)
+        frame = frame.f_back
+    return found
+
+
+def refuse_framework_counting(accum_steps: int) -> None:
+    """accum_steps=N while a framework calls step(): the framework counts windows."""
+    found = frameworks_calling()
+    if found:
+        named = " and ".join(FRAMEWORKS[f] for f in reversed(found))
+        raise RuntimeError(
+            f"AccumulatingOptimizer(accum_steps={accum_steps}) is being stepped by {named}, which counts the window "
+            "itself and clips, logs and steps the LR scheduler at every step() call: build the wrapper with "
+            "accum_steps=None (each step() call then ends a window) and set the window length in the framework"
+        )
+
+
+def refuse_several_backwards(accum_steps: int, count: int, index: int) -> None:
+    """accum_steps=N and a param got ``count`` > 1 gradients since the last step()."""
+    raise RuntimeError(
+        f"AccumulatingOptimizer(accum_steps={accum_steps}) counts one micro-step per step() call, but param {index} "
+        f"got {count} gradients since the last step() ({count} backward passes). If your loop or framework "
+        "accumulates and calls step() once per window (e.g. the loss divided by N and step() every N-th batch), "
+        "build the wrapper with accum_steps=None and keep the loop as it is; if you meant several backward passes "
+        "per micro-step, sum their losses and call backward once"
+    )
