@@ -78,8 +78,11 @@ class TokenData(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": labels}
 
 
-def hf_trainer(wrap: bool, max_grad_norm: float, peft: bool = False) -> dict:
-    from transformers import Trainer, TrainingArguments
+def hf_trainer(wrap: bool, max_grad_norm: float, peft: bool = False, unfreeze: bool = False) -> dict:
+    """``unfreeze``: the embedding starts frozen and a callback unfreezes it at
+    the second optimizer step (staged fine-tuning); the optimizer holds it
+    from the start."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     # TrainingArguments first: under torchrun it initializes torch.distributed,
     # which the wrapper must see when it is built.
@@ -93,10 +96,25 @@ def hf_trainer(wrap: bool, max_grad_norm: float, peft: bool = False) -> dict:
 
         torch.manual_seed(5)
         model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
-    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], wrap)
+    callbacks = []
+    if unfreeze:
+        embedding = model.get_input_embeddings().weight
+        embedding.requires_grad_(False)
+
+        class Unfreeze(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                if state.global_step == 1:
+                    embedding.requires_grad_(True)
+
+        callbacks.append(Unfreeze())
+    trainable = [p for p in model.parameters() if p.requires_grad or unfreeze]
+    opt = make_optimizer(trainable, wrap)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    trainer = Trainer(model=model, args=args, train_dataset=TokenData(), optimizers=(opt, scheduler))
+    trainer = Trainer(model=model, args=args, train_dataset=TokenData(), optimizers=(opt, scheduler),
+                      callbacks=callbacks)  # fmt: skip
     trainer.train()
+    if unfreeze:
+        assert embedding.requires_grad
     logs = [h for h in trainer.state.log_history if "loss" in h]
     return {"params": params_of(model), "grad_norms": [h.get("grad_norm") for h in logs],
             "lrs": [h.get("learning_rate") for h in logs], "intake": getattr(opt, "intake", None)}  # fmt: skip
@@ -236,6 +254,77 @@ def own_loop_scaler(wrap: bool, loop: str) -> dict:
     return {"params": params_of(model), "scales": scales}
 
 
+# ---- what the frameworks must not train silently wrong --------------------------------
+
+
+def _error_of(run) -> str | None:
+    try:
+        run()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def accum_steps_under_frameworks() -> dict:
+    """accum_steps=4 given to the wrapper while each framework counts the
+    window too (gradient_accumulation_steps / accumulate_grad_batches = 4):
+    the error each run stops with, and whether any param moved."""
+    import pytorch_lightning as pl
+
+    out = {}
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+
+        def training_step(self, batch, i):
+            return F.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return make_optimizer(self.parameters(), True, accum_steps=4)
+
+    module = Module()
+    before = params_of(module.net)
+    x, y = regression_data()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, enable_progress_bar=False, logger=False,
+                         enable_checkpointing=False, enable_model_summary=False, accumulate_grad_batches=4,
+                         gradient_clip_val=CLIP)  # fmt: skip
+    out["lightning"] = _error_of(lambda: trainer.fit(module, loader))
+    out["lightning_moved"] = params_of(module.net) != before
+
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(gradient_accumulation_steps=4, cpu=True)
+    model = mlp()
+    opt = make_optimizer(model.parameters(), True, accum_steps=4)
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+
+    def accelerate_loop():
+        for xb, yb in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(F.mse_loss(model(xb), yb))
+                opt.step()
+                opt.zero_grad()
+
+    out["accelerate"] = _error_of(accelerate_loop)
+
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=os.environ.get("TMPDIR", "/tmp") + "/ak-hf-refusal", per_device_train_batch_size=2,
+                             gradient_accumulation_steps=4, max_steps=2, report_to="none", use_cpu=True,
+                             save_strategy="no", seed=0)  # fmt: skip
+    llama = tiny_llama()
+    hf_opt = make_optimizer(llama.parameters(), True, accum_steps=4)
+    trainer = Trainer(model=llama, args=args, train_dataset=TokenData(),
+                      optimizers=(hf_opt, torch.optim.lr_scheduler.LambdaLR(hf_opt, lambda s: 1.0)))  # fmt: skip
+    out["hf_trainer"] = _error_of(trainer.train)
+    return out
+
+
+SINGLE_RUNS = {"accum_steps_under_frameworks": accum_steps_under_frameworks}
+
 RUNS = {"hf_trainer": hf_trainer, "accelerate_loop": accelerate_loop,
         "accelerate_skipped_window": accelerate_skipped_window, "lightning": lightning,
         "own_loop_scaler": own_loop_scaler}  # fmt: skip
@@ -243,9 +332,12 @@ RUNS = {"hf_trainer": hf_trainer, "accelerate_loop": accelerate_loop,
 
 def main() -> None:
     name, options = sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
-    result = {}
-    for wrap in (False, True):
-        result["ours" if wrap else "plain"] = RUNS[name](wrap=wrap, **options)
+    if name in SINGLE_RUNS:
+        result = SINGLE_RUNS[name](**options)
+    else:
+        result = {}
+        for wrap in (False, True):
+            result["ours" if wrap else "plain"] = RUNS[name](wrap=wrap, **options)
     rank = int(os.environ.get("RANK", "0"))
     out = os.environ.get("AK_RESULT_FILE")
     if out:

@@ -897,3 +897,69 @@ def test_a_gradient_assigned_to_grad_is_taken_in(backend):
         p.grad = g.clone()
     opt.step()
     assert rel_diff(ours, plain) <= 1e-6
+
+
+def test_a_scheduler_built_on_the_inner_optimizer(backend, recwarn):
+    """The LR scheduler built on the wrapped optimizer (not the wrapper), stepped
+    once per window: the same LRs and params as plain, and no warning that the
+    scheduler stepped before the optimizer."""
+    windows = [data() for _ in range(4)]
+    plain, ours = mlp(), mlp()
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    big_batch_run(plain, plain_opt, windows, scheduler=torch.optim.lr_scheduler.StepLR(plain_opt, 1, gamma=0.5))
+    inner = torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(inner, 1, gamma=0.5)
+    opt = ak.AccumulatingOptimizer(inner, accum_steps=4, backend=backend)
+    micro_batch_run(ours, opt, windows, 4, scheduler=scheduler)
+    assert rel_diff(ours, plain) <= 1e-5
+    assert inner.param_groups[0]["lr"] == plain_opt.param_groups[0]["lr"] == pytest.approx(0.1 / 16)
+    assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]
+
+
+@pytest.mark.parametrize("change", ["dtype", "device-spelling"])
+def test_model_to_after_wrapping(backend, change):
+    """model.to(bfloat16) after wrapping: the buffers, state dtype and rounding
+    were chosen for fp32 params: refused at the next gradient. (Another
+    spelling of the same device, as Accelerate's prepare does, is fine: see
+    test_grad_views_survive_module_to.)"""
+    model = mlp()
+    opt = ak.AccumulatingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), accum_steps=2, backend=backend)
+    x, y = data(8)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    if change == "dtype":
+        with pytest.raises(RuntimeError, match=r"model.to\(\)"):
+            model.to(torch.bfloat16)  # intake "hooks": .grad's marker refuses the conversion
+        grad_model = mlp()
+        grad_opt = ak.AccumulatingOptimizer(torch.optim.AdamW(grad_model.parameters(), lr=1e-2), backend=backend)
+        F.mse_loss(grad_model(x), y).backward()
+        grad_opt.step()
+        grad_model.to(torch.bfloat16)  # intake "grad": refused at the next gradient
+        with pytest.raises(RuntimeError, match=r"model.to\(\) after wrapping"):
+            F.mse_loss(grad_model(x.bfloat16()).float(), y).backward()
+    else:
+        model.to(torch.device(torch.get_default_device().type, 0))
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        assert opt.window_stepped
+
+
+@pytest.mark.parametrize("where", ["mid-window", "boundary"])
+def test_resuming_with_another_accum_steps(backend, where):
+    """A checkpoint saved 2 micro-steps into a window of 4, loaded into a
+    wrapper with accum_steps=8, would end that window elsewhere: refused,
+    naming the setting. Saved at a window boundary, any window length loads."""
+    model = mlp()
+    opt = ak.AccumulatingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), accum_steps=4, backend=backend)
+    for _ in range(2 if where == "mid-window" else 4):
+        F.mse_loss(model(data(8)[0]), data(8)[1]).backward()
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    opt.close()
+    longer = ak.AccumulatingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), accum_steps=8, backend=backend)
+    if where == "mid-window":
+        with pytest.raises(ValueError, match="accum_steps=4"):
+            longer.load_state_dict(saved)
+    else:
+        longer.load_state_dict(saved)
+        assert longer.micro_steps == 0

@@ -73,6 +73,14 @@ def check_loadable(wrapper, state_dict: dict, extra: dict | None) -> None:
             "(another model, bucket size or world size?)"
         )
     wrapper._window.check_state_dict(extra, len(wrapper._layout))
+    saved_steps = extra.get("accum_steps", wrapper.accum_steps)  # older checkpoints did not say
+    if extra["micro_steps"] and saved_steps != wrapper.accum_steps:
+        raise ValueError(
+            f"checkpoint was saved mid-window ({extra['micro_steps']} micro-steps into a window of "
+            f"accum_steps={saved_steps}); this wrapper has accum_steps={wrapper.accum_steps}, which would end that "
+            f"window elsewhere: resume with accum_steps={saved_steps}, or save at a window boundary "
+            "(opt.window_stepped) to change the window length"
+        )
     masters = extra.get("master_weights", {})
     ours = {r.index: r.master for r in wrapper._layout if r.master is not None}
     if set(masters) != set(ours):

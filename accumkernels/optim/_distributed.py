@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,7 @@ class BucketReducer:
     def __init__(self, group, layout: Layout, window: Window, sharded: bool, wire_dtype, average: bool) -> None:
         # average: the intake exposes the buffers as .grad, which must hold the
         # window averaged over ranks (as DDP's) once reduced (see reduce_now)
+        self.replicas_checked = False  # check_replicas() ran
         self.window = window
         self.average = average
         self.group = group
@@ -67,6 +69,31 @@ class BucketReducer:
         self._next = 0  # the next bucket to launch
         self.finished = False  # the window's sum is reduced (finish() ran)
         self._launched: list[tuple[int, object, tuple]] = []  # (bucket, work, tensors kept alive)
+
+    def check_layout(self) -> None:
+        """At construction: every rank of the group wraps params of the same
+        count, shapes and dtypes (else the per-bucket collectives would pair
+        unlike buffers, or abort inside gloo on their sizes)."""
+        key = 0
+        for r in self.layout:
+            for part in (zlib.crc32(str(r.param.dtype).encode()), r.param.ndim, *r.param.shape):
+                key = (key * 1_000_003 + part) % _PRIME
+        _refuse_unlike(self.group, [len(self.layout), self.flat.numel(), key], self.flat.device,
+                       "params of other shapes or dtypes")  # fmt: skip
+
+    def check_replicas(self) -> None:
+        """At the first step(): every rank holds the same param values, as
+        data-parallel replicas do (DDP broadcasts them at construction; the
+        wrapper may be built before it). Pipeline stages of equal shapes, or
+        replicas seeded apart, would be summed silently: refused. One pass over
+        the params and one host sync, once."""
+        self.replicas_checked = True
+        device = self.flat.device
+        integer = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+        sums = torch.stack([flat_view(r.param).view(integer[r.param.element_size()]).to(torch.int64).sum() % _PRIME
+                            for r in self.layout]) if len(self.layout) else torch.zeros(1, dtype=torch.int64, device=device)  # fmt: skip
+        weights = torch.arange(1, sums.numel() + 1, dtype=torch.int64, device=device)
+        _refuse_unlike(self.group, [(sums * weights % _PRIME).sum() % _PRIME], device, "different param values")
 
     @property
     def started(self) -> bool:
@@ -206,6 +233,25 @@ class BucketReducer:
                 if r.index in touched:
                     at = r.offset - b.start
                     flat_view(r.param).copy_(region[at : at + r.numel])
+
+
+_PRIME = 2**31 - 1
+
+
+def _refuse_unlike(group, values, device, what: str) -> None:
+    """One all-reduce (MAX of the values and of their negations): refuses,
+    naming ``what``, where the ranks of ``group`` hold different values."""
+    values = torch.stack([torch.as_tensor(v, dtype=torch.int64).to(device) for v in values])
+    both = torch.cat([values, -values])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if bool((both[: len(values)] != -both[len(values) :]).any()):
+        raise ValueError(
+            f"the {dist.get_world_size(group)} ranks of AccumulatingOptimizer's process group hold {what}: they are "
+            "not data-parallel replicas, and summing their gradients would train each wrong. Pipeline stages: build "
+            "each stage's wrapper after its PipelineStage (it then reduces over the stage's data-parallel group) or "
+            "pass process_group= that group (e.g. mesh['dp']); tensor-parallel shards are not supported; replicas "
+            "must start equal (DistributedDataParallel broadcasts rank 0's params, or seed every rank alike)"
+        )
 
 
 def sum_over_ranks(value: torch.Tensor, group) -> torch.Tensor:

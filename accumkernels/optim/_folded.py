@@ -18,10 +18,22 @@ from __future__ import annotations
 
 import torch
 
-from . import _amp
+from . import _amp, _guards
 
 _ACCUMULATION = (torch.ops.aten.add_.Tensor, torch.ops.aten.add.Tensor)
 _UNSCALE = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
+
+
+def _same_place(t: torch.Tensor, kwargs: dict) -> bool:
+    """_to_copy's dtype and device are t's own (a device index of the current device counts as none)."""
+    dtype, device = kwargs.get("dtype"), kwargs.get("device")
+    if dtype is not None and dtype != t.dtype:
+        return False
+    if device is None:
+        return True
+    device = torch.device(device)
+    index = t.device.index if t.device.index is not None else 0
+    return device.type == t.device.type and (device.index is None or device.index == index)
 
 
 class FoldedGrad(torch.Tensor):
@@ -53,6 +65,18 @@ class FoldedGrad(torch.Tensor):
         if func is _UNSCALE and _amp.checking_inf_for_step():
             return None  # GradScaler's own check before it steps the wrapper, which checks as it folds
         index = markers[0].index if markers else None
+        if func is torch.ops.aten._to_copy.default:  # module.to(dtype or device) converts .grad too
+            if isinstance(target, FoldedGrad) and _same_place(target, kwargs or {}):
+                return target  # another spelling of the same device ('cpu:0' for 'cpu'), as Accelerate's prepare
+            raise RuntimeError(
+                f"param {index} cannot be converted or moved (model.to(), .half(), .cuda(), ...) while "
+                "AccumulatingOptimizer holds it: its buffer, master weights and state dtype were chosen for its dtype "
+                "and device. Convert or move the model first, then build the optimizer and the wrapper (or call "
+                "opt.close() first)"
+            )
+        framework = _guards.framework_reading_grad(index)
+        if framework is not None:
+            raise RuntimeError(framework)
         raise RuntimeError(
             f"AccumulatingOptimizer (intake='hooks') folded param {index}'s gradients into its fp32 buffer during "
             f"backward: its .grad holds no values, so {func.__name__} cannot use it. Clip with max_grad_norm= (or "

@@ -38,16 +38,34 @@ def frameworks_calling() -> list[str]:
     return found
 
 
+def _named(found: list[str]) -> str:
+    return " and ".join(FRAMEWORKS[f] for f in reversed(found))
+
+
 def refuse_framework_counting(accum_steps: int) -> None:
     """accum_steps=N while a framework calls step(): the framework counts windows."""
     found = frameworks_calling()
     if found:
-        named = " and ".join(FRAMEWORKS[f] for f in reversed(found))
         raise RuntimeError(
-            f"AccumulatingOptimizer(accum_steps={accum_steps}) is being stepped by {named}, which counts the window "
-            "itself and clips, logs and steps the LR scheduler at every step() call: build the wrapper with "
+            f"AccumulatingOptimizer(accum_steps={accum_steps}) is being stepped by {_named(found)}, which counts the "
+            "window itself and clips, logs and steps the LR scheduler at every step() call: build the wrapper with "
             "accum_steps=None (each step() call then ends a window) and set the window length in the framework"
         )
+
+
+def framework_reading_grad(index) -> str | None:
+    """The error for a framework reading a ``.grad`` that intake "hooks" folded
+    (its clipping or norm logging, before step() could say more), or None
+    where no framework is on the call stack."""
+    found = frameworks_calling()
+    if not found:
+        return None
+    return (
+        f"{_named(found)} reads param {index}'s .grad (to clip or log it), but AccumulatingOptimizer (intake='hooks', "
+        "the default with accum_steps=N) folded it into its fp32 buffer: with a framework, build the wrapper with "
+        "accum_steps=None (its intake is then 'grad': .grad is the window's fp32 sum) and set the window length in "
+        "the framework"
+    )
 
 
 def refuse_several_backwards(accum_steps: int, count: int, index: int) -> None:

@@ -165,7 +165,9 @@ class Intake:
         if self._watch_late_init:
             self._refuse_late_init()
         self.arrivals[index] = self.arrivals.get(index, 0) + 1
-        self._take(self.layout.records[index], arg)
+        r = self.layout.records[index]
+        self._check_param(r)
+        self._take(r, arg)
 
     @property
     def check_inf(self) -> bool:
@@ -176,6 +178,18 @@ class Intake:
     def last_micro_step(self) -> bool:
         """The gradients arriving now belong to the window's last micro-step."""
         return self.accum_steps is None or self.window.micro_steps + 1 >= self.accum_steps
+
+    @staticmethod
+    def _check_param(r: ParamRecord) -> None:
+        """The param is as it was wrapped: its buffer, master weights and state
+        dtype were chosen for that dtype and device (``model.to(...)`` after
+        wrapping would step it with stale ones)."""
+        if r.param.dtype != r.dtype or r.param.device != r.device:
+            raise RuntimeError(
+                f"param {r.index} was {r.dtype} on {r.device} when AccumulatingOptimizer was built and is now "
+                f"{r.param.dtype} on {r.param.device} (model.to() after wrapping): convert or move the model first, "
+                "then build the optimizer and the wrapper"
+            )
 
     def _check_shape(self, r: ParamRecord, grad: torch.Tensor) -> None:
         if grad.shape != (r.param.shape if r.local_of is None else r.local.shape):

@@ -62,6 +62,8 @@ class ParamRecord:
     buffer: torch.Tensor | None = None  # fp32 view of the flat buffer, laid out like the param
     shard: tuple[int, int] | None = None  # [lo, hi) of its elements this rank steps; None: all
     precision: object = None  # how the fused step keeps it (_update.Precision)
+    dtype: torch.dtype | None = None  # the param's dtype and device when wrapped (model.to() after wrapping is refused)
+    device: torch.device | None = None
     master: torch.Tensor | None = None  # master weights of what this rank steps: fp32, or int16 remainders
 
     @property
@@ -132,7 +134,8 @@ class Layout:
         # `unit_of` maps a param to the unit its gradients arrive with (FSDP2:
         # its fully_shard module); a bucket never spans two, so it is folded as
         # soon as its unit's gradients are in.
-        self.records = [ParamRecord(p, local, i, g, 0) for i, (p, g) in enumerate(zip(params, groups))]
+        self.records = [ParamRecord(p, local, i, g, 0, dtype=p.dtype, device=p.device)
+                        for i, (p, g) in enumerate(zip(params, groups))]  # fmt: skip
         self._by_id = {id(r.param): r for r in self.records}
         cap = bucket_cap_mb * 2**20
         unit = unit_of or (lambda p: None)

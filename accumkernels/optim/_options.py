@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import _distributed, _fsdp
+from . import _distributed, _fsdp, _pipeline
 from ._intake import INTAKES
 from ._layout import collect_params
 from ._update import MASTER_WEIGHTS, STATE_DTYPES, optimizer_kind
@@ -85,10 +85,36 @@ def check_options(optimizer, accum_steps, *, normalize, max_grad_norm, master_we
     if len(devices) > 1:
         raise ValueError(f"params on several devices ({sorted(map(str, devices))}) are not supported yet")
     device = next(iter(devices)) if devices else torch.device("cpu")
-    group = mesh.get_group() if mesh is not None else process_group
-    world_size = dist.get_world_size(group) if initialized else 1
-    rank = dist.get_rank(group) if initialized else 0
+    group = mesh.get_group() if mesh is not None else _data_parallel_group(params, process_group, initialized)
+    replicated = initialized and group is not _NO_REPLICAS
+    world_size = dist.get_world_size(group) if replicated else 1
+    rank = dist.get_rank(group) if replicated else 0
+    group = None if group is _NO_REPLICAS else group
     return Options(accum_steps, intake, params, groups, device, mesh, initialized, group, world_size, rank)
+
+
+_NO_REPLICAS = object()  # a pipeline stage no other rank holds: nothing to reduce
+
+
+def _data_parallel_group(params, process_group, initialized):
+    """The group to reduce over: the one given (a ProcessGroup or a 1-D
+    DeviceMesh); for params of a pipeline stage, the stage's data-parallel
+    group (accumkernels.optim._pipeline), or _NO_REPLICAS; else None (the
+    world, looked up at each call)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(process_group, DeviceMesh):
+        if process_group.ndim != 1:
+            raise ValueError(f"process_group= a {process_group.ndim}-D DeviceMesh; pass its data-parallel dimension "
+                             "(e.g. mesh['dp'])")  # fmt: skip
+        return process_group.get_group()
+    if process_group is not None or not initialized:
+        return process_group
+    stages = _pipeline.stages_holding(params)
+    if not stages:
+        return None
+    group = _pipeline.data_parallel_group(stages[0])
+    return _NO_REPLICAS if group is None else group
 
 
 def _fsdp_mesh(params, intake, sharded, process_group, wire_dtype):

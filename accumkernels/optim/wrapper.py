@@ -146,6 +146,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         elif self.world_size > 1:
             self._sync = _distributed.BucketReducer(self.process_group, self._layout, self._window, self.sharded,
                                                     wire_dtype, average=intake == "grad")  # fmt: skip
+            self._sync.check_layout()
             if self.sharded:
                 self._layout.set_shards(lambda b: self._sync.shard(b.index))
         self._ddp_watch = _distributed.DDPWatch(params, self._window) if o.initialized and mesh is None else None
@@ -200,6 +201,10 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if _checkpoint.dcp_initializing_state():
             self._updater.init_state()
             return None
+        if self.accum_steps is not None and not self._caller_checked:
+            # Before the closure: a framework's closure clips .grad, which intake "hooks" refuses less helpfully.
+            _guards.refuse_framework_counting(self.accum_steps)
+            self._caller_checked = True
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -207,7 +212,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if param_signature(self.optimizer) != self._signature:
             raise RuntimeError("the wrapped optimizer's params changed after wrapping (a param group was added or "
                                "edited); add every param group before wrapping it")  # fmt: skip
-        self._refuse_silent_mistakes()
+        self._refuse_several_backwards()
+        if isinstance(self._sync, _distributed.BucketReducer) and not self._sync.replicas_checked:
+            self._sync.check_replicas()
         window = self._window
         window.count_items(num_items)
         ends_window = self.accum_steps is None or window.micro_steps + 1 >= self.accum_steps
@@ -308,6 +315,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             "world_size": self.world_size,
             "rank": self.rank,
             "sharded": self.sharded,
+            "accum_steps": self.accum_steps,
         }
         return sd
 
@@ -326,14 +334,10 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         """Inf/NaN gradients skip the window: with a GradScaler (given or found) or skip_nonfinite."""
         return self._intake.check_inf
 
-    def _refuse_silent_mistakes(self) -> None:
-        """What a ported loop or a framework would get silently wrong with
-        accum_steps=N (accumkernels.optim._guards)."""
+    def _refuse_several_backwards(self) -> None:
+        """accum_steps=N: one backward per step() call (accumkernels.optim._guards)."""
         if self.accum_steps is None:
             return
-        if not self._caller_checked:
-            _guards.refuse_framework_counting(self.accum_steps)
-            self._caller_checked = True
         count, index = self._intake.backwards_since_step()
         if count > 1:
             _guards.refuse_several_backwards(self.accum_steps, count, index)
@@ -367,6 +371,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             grad_scale = grad_scale.reshape(1).to(torch.float32)
         self._updater.step(records, grad_scale, found_inf if self._check_inf else None, window.window_seed(),
                            self._intake)  # fmt: skip
+        # An LR scheduler built on the wrapped optimizer tracks its step() calls
+        # (torch.optim.lr_scheduler's _opt_called), which the fused step makes none of.
+        self.optimizer._opt_called = True
         if self._sync is not None:
             self._sync.after_step()
         window.windows += 1
