@@ -191,8 +191,11 @@ def train(name: str, seed: int, n_micro: int, windows: int, data, eval_every: in
     curve, times, state_bytes = [], [], None
     batch_gen = torch.Generator().manual_seed(seed * 1_000_003 + 7)
     for w in range(windows):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(w, windows)
+        for group in opt.param_groups:  # torchao keeps lr as a tensor, to be filled in place
+            if torch.is_tensor(group["lr"]):
+                group["lr"].fill_(lr_at(w, windows))
+            else:
+                group["lr"] = lr_at(w, windows)
         x, y = sequences(train_text, SEQUENCES, batch_gen)
         t0 = time.perf_counter()
         for xb, yb in zip(x.chunk(n_micro), y.chunk(n_micro)):

@@ -1,7 +1,8 @@
 """Shared test fixtures: the backends under test and fresh random data.
 
 Every run draws a new seed (printed in the header; set ACCUMKERNELS_TEST_SEED
-to replay one), so the kernels meet new data each time.
+to replay one), so the kernels meet new data each time; pytest-xdist's
+workers share it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ from accumkernels import _native  # noqa: E402
 from accumkernels.backends import triton_backend  # noqa: E402
 
 SEED = int(os.environ.get("ACCUMKERNELS_TEST_SEED", random.SystemRandom().randrange(2**31)))
+# pytest-xdist's workers start after this runs in the controller and inherit
+# its environment: every worker draws from the seed the header prints.
+os.environ["ACCUMKERNELS_TEST_SEED"] = str(SEED)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One intra-op thread per worker: make test runs one worker per core.
+    torch.set_num_threads(1)
 
 # The backends that run on CPU tensors. The native one is required unless the
 # build was skipped on purpose: a broken build must fail the tests, not skip them.

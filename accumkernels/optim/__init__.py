@@ -1,7 +1,10 @@
-"""The optimizers: ``AccumulatingOptimizer`` (wraps any ``torch.optim``
-optimizer) and its parts, one module per concern:
+"""The optimizers: ``AdamW``, ``Adam`` and ``SGD`` (``torch.optim``'s
+signatures, built from params), ``AccumulatingOptimizer`` (wraps any
+``torch.optim`` optimizer, which they are too) and its parts, one module per
+concern:
 
-``wrapper``        the class: arguments, the ``torch.optim.Optimizer`` surface, ``step()``, state dicts
+``optimizers``     the drop-in classes
+``wrapper``        AccumulatingOptimizer: arguments, the ``torch.optim.Optimizer`` surface, ``step()``, state dicts
 ``_options``       the constructor's checks
 ``_layout``        the flat fp32 buffer, buckets, shard ranges, one record per param
 ``_intake``        how gradients reach the buffers: the "hooks" and "grad" intakes
@@ -11,10 +14,14 @@ optimizer) and its parts, one module per concern:
 ``_checkpoint``    loading state dicts safely; torch.distributed.checkpoint
 ``_distributed``   the per-bucket reduction across ranks, the DDP takeover
 ``_fsdp``          FSDP2 (DTensor) params
+``_pipeline``      pipeline stages: the data-parallel group of a stage
+``_guards``        the mistakes step() refuses (a framework or loop counting the window too)
+``_folded``        FoldedGrad, what ``.grad`` holds under intake "hooks"
 
-Imports go one way: ``wrapper`` -> its parts -> ``accumkernels.ops`` -> backends.
+Imports go one way: ``optimizers`` -> ``wrapper`` -> its parts -> ``accumkernels.ops`` -> backends.
 """
 
+from .optimizers import SGD, Adam, AdamW
 from .wrapper import AccumulatingOptimizer
 
-__all__ = ["AccumulatingOptimizer"]
+__all__ = ["AccumulatingOptimizer", "Adam", "AdamW", "SGD"]

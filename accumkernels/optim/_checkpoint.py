@@ -67,7 +67,7 @@ def check_loadable(wrapper, state_dict: dict, extra: dict | None) -> None:
     if extra is None:
         return
     flat = extra["flat_buffer"]
-    if flat.shape != wrapper._layout.flat.shape:
+    if flat is not None and flat.shape != wrapper._layout.flat.shape:
         raise ValueError(
             f"checkpoint buffer has {flat.numel()} elements; this wrapper's has {wrapper._layout.flat.numel()} "
             "(another model, bucket size or world size?)"
@@ -157,8 +157,11 @@ def load(wrapper, state_dict: dict) -> None:
     wrapper.optimizer.load_state_dict(state_dict)
     load_state_in_its_dtype(wrapper, state_dict)
     wrapper._window.clear()
-    if extra is not None:
+    if extra is not None and extra["flat_buffer"] is not None:
         wrapper._layout.flat.copy_(extra["flat_buffer"])
+    else:  # saved at a window boundary, or a plain optimizer's checkpoint: the window starts empty, its buffers too
+        wrapper._layout.flat.zero_()
+    if extra is not None:
         wrapper._window.load_state_dict(extra)
     for r in wrapper._layout:  # master weights: the checkpoint's, or the (already loaded) params'
         if r.master is None:

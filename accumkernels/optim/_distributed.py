@@ -54,7 +54,7 @@ class BucketReducer:
     def __init__(self, group, layout: Layout, window: Window, sharded: bool, wire_dtype, average: bool) -> None:
         # average: the intake exposes the buffers as .grad, which must hold the
         # window averaged over ranks (as DDP's) once reduced (see reduce_now)
-        self.replicas_checked = False  # check_replicas() ran
+        self.replicas_checked = False  # the first window sent its replica hashes
         self.window = window
         self.average = average
         self.group = group
@@ -78,22 +78,26 @@ class BucketReducer:
         for r in self.layout:
             for part in (zlib.crc32(str(r.param.dtype).encode()), r.param.ndim, *r.param.shape):
                 key = (key * 1_000_003 + part) % _PRIME
-        _refuse_unlike(self.group, [len(self.layout), self.flat.numel(), key], self.flat.device,
-                       "params of other shapes or dtypes")  # fmt: skip
+        values = torch.tensor([len(self.layout), self.flat.numel(), key], dtype=torch.int64, device=self.flat.device)
+        both = torch.cat([values, -values])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)  # the max, and minus the min
+        if bool((both[:3] != -both[3:]).any()):
+            _refuse_unlike_params(self.group, "params of other shapes or dtypes")
 
-    def check_replicas(self) -> None:
-        """At the first step(): every rank holds the same param values, as
-        data-parallel replicas do (DDP broadcasts them at construction; the
-        wrapper may be built before it). Pipeline stages of equal shapes, or
-        replicas seeded apart, would be summed silently: refused. One pass over
-        the params and one host sync, once."""
-        self.replicas_checked = True
+    def replica_hashes(self) -> torch.Tensor:
+        """Two 20-bit hashes of this rank's param values (integer sums of their
+        bits, weighted by position): equal on every rank of data-parallel
+        replicas (DDP broadcasts rank 0's at construction, possibly after the
+        wrapper was built)."""
         device = self.flat.device
         integer = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+        if not len(self.layout):
+            return torch.zeros(2, dtype=torch.int64, device=device)
         sums = torch.stack([flat_view(r.param).view(integer[r.param.element_size()]).to(torch.int64).sum() % _PRIME
-                            for r in self.layout]) if len(self.layout) else torch.zeros(1, dtype=torch.int64, device=device)  # fmt: skip
-        weights = torch.arange(1, sums.numel() + 1, dtype=torch.int64, device=device)
-        _refuse_unlike(self.group, [(sums * weights % _PRIME).sum() % _PRIME], device, "different param values")
+                            for r in self.layout])  # fmt: skip
+        position = torch.arange(1, sums.numel() + 1, dtype=torch.int64, device=device)
+        return torch.stack([(sums * position % _PRIME).sum() % 2**20, (sums * (position * position % _PRIME)
+                            % _PRIME).sum() % _PRIME % 2**20])  # fmt: skip
 
     @property
     def started(self) -> bool:
@@ -184,12 +188,21 @@ class BucketReducer:
 
     def end_window(self, check_inf: bool):
         """The window's sums over ranks (see all_reduce_window), the buckets
-        not launched during backward launched first and completed meanwhile."""
+        not launched during backward launched first and completed meanwhile.
+        The first window's also carries the replica hashes: ranks that hold
+        different param values (pipeline stages of equal shapes, replicas
+        seeded apart) are refused before anything is stepped."""
         if self.average and not self.finished:
             self.reduce_now()
         self.launch_remaining()
-        return all_reduce_window(self.group, self.window, self.layout, check_inf,
-                                 while_waiting=None if self.finished else self.finish)  # fmt: skip
+        hashes = None if self.replicas_checked else self.replica_hashes()
+        found_inf, items, micro_steps, unlike = all_reduce_window(
+            self.group, self.window, self.layout, check_inf, while_waiting=None if self.finished else self.finish,
+            replica_hashes=hashes)  # fmt: skip
+        self.replicas_checked = True
+        if unlike:
+            _refuse_unlike_params(self.group, "different param values")
+        return found_inf, items, micro_steps
 
     def squared_norm(self, local: torch.Tensor) -> torch.Tensor:
         """The window gradient's squared norm from this rank's: every rank holds
@@ -238,20 +251,14 @@ class BucketReducer:
 _PRIME = 2**31 - 1
 
 
-def _refuse_unlike(group, values, device, what: str) -> None:
-    """One all-reduce (MAX of the values and of their negations): refuses,
-    naming ``what``, where the ranks of ``group`` hold different values."""
-    values = torch.stack([torch.as_tensor(v, dtype=torch.int64).to(device) for v in values])
-    both = torch.cat([values, -values])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    if bool((both[: len(values)] != -both[len(values) :]).any()):
-        raise ValueError(
-            f"the {dist.get_world_size(group)} ranks of AccumulatingOptimizer's process group hold {what}: they are "
-            "not data-parallel replicas, and summing their gradients would train each wrong. Pipeline stages: build "
-            "each stage's wrapper after its PipelineStage (it then reduces over the stage's data-parallel group) or "
-            "pass process_group= that group (e.g. mesh['dp']); tensor-parallel shards are not supported; replicas "
-            "must start equal (DistributedDataParallel broadcasts rank 0's params, or seed every rank alike)"
-        )
+def _refuse_unlike_params(group, what: str) -> None:
+    raise ValueError(
+        f"the {dist.get_world_size(group)} ranks of AccumulatingOptimizer's process group hold {what}: they are "
+        "not data-parallel replicas, and summing their gradients would train each wrong. Pipeline stages: build "
+        "each stage's wrapper after its PipelineStage (it then reduces over the stage's data-parallel group) or "
+        "pass process_group= that group (e.g. mesh['dp']); tensor-parallel shards are not supported; replicas "
+        "must start equal (DistributedDataParallel broadcasts rank 0's params, or seed every rank alike)"
+    )
 
 
 def sum_over_ranks(value: torch.Tensor, group) -> torch.Tensor:
@@ -261,12 +268,17 @@ def sum_over_ranks(value: torch.Tensor, group) -> torch.Tensor:
     return total.reshape(())
 
 
-def all_reduce_window(group, window: Window, layout: Layout, check_inf: bool, while_waiting=None):
+def all_reduce_window(group, window: Window, layout: Layout, check_inf: bool, while_waiting=None,
+                      replica_hashes=None):  # fmt: skip
     """One float64 all-reduce of [inf flag, items, micro-steps, a got-a-gradient
     mask over params] (``while_waiting`` runs while it is in flight). Leaves
     ``window.touched`` as the union over ranks (the mask is read on the host:
     the one host sync of a distributed window); returns the global inf flag and
-    the global item and micro-step counts (device tensors)."""
+    the global item and micro-step counts (device tensors), and whether
+    ``replica_hashes`` (int64 values below 2^20, or None) differ between
+    ranks: each h is sent as h and h^2, which are equal everywhere exactly
+    when W * sum(h^2) == sum(h)^2 (both sides the one rounding of W^2 h^2 where
+    they are equal: the sums are exact in float64 for W < 2^13)."""
     device = layout.flat.device
     flag = window.found_inf if check_inf else torch.zeros(1, device=device)
     items = window.items if isinstance(window.items, torch.Tensor) else torch.tensor(float(window.items))
@@ -277,14 +289,23 @@ def all_reduce_window(group, window: Window, layout: Layout, check_inf: bool, wh
     ])  # fmt: skip
     mask = torch.zeros(len(layout), dtype=torch.float64)
     mask[sorted(window.touched)] = 1.0
-    meta = torch.cat([head, mask.to(device)])
+    hashes = torch.zeros(0, dtype=torch.float64, device=device)
+    if replica_hashes is not None:
+        h = replica_hashes.to(device, torch.float64)
+        hashes = torch.stack([h, h * h], dim=1).flatten()
+    meta = torch.cat([head, hashes, mask.to(device)])
     work = dist.all_reduce(meta, group=group, async_op=True)
     if while_waiting is not None:
         while_waiting()
     work.wait()
-    union = meta[3:].cpu()
+    n = hashes.numel()
+    union = meta[3 + n :].cpu()
     window.touched = set(union.nonzero().flatten().tolist())
-    return (meta[0:1] > 0).to(torch.float32), meta[1:2], meta[2:3]
+    unlike = False
+    if n:
+        sums = meta[3 : 3 + n].view(-1, 2)
+        unlike = bool((dist.get_world_size(group) * sums[:, 1] != sums[:, 0] * sums[:, 0]).any())
+    return (meta[0:1] > 0).to(torch.float32), meta[1:2], meta[2:3], unlike
 
 
 # ---- DistributedDataParallel: taken over, not refused --------------------------

@@ -120,7 +120,7 @@ class FSDPSync:
 
     def end_window(self, check_inf: bool):
         self._window.divisor = self.divisor()
-        return all_reduce_window(self.group, self._window, self._layout, check_inf)
+        return all_reduce_window(self.group, self._window, self._layout, check_inf)[:3]
 
     def squared_norm(self, local: torch.Tensor) -> torch.Tensor:
         """Every rank holds its shards: the squared norms add up over the mesh."""

@@ -325,6 +325,9 @@ class HookIntake(Intake):
                 "backward), or use intake='grad'"
             )
         self.flush()
+        for r in self.layout:  # a .grad no hook took (left from before wrapping, or assigned): dropped, as in plain PyTorch
+            if r.local_of is None and r.param.grad is not None and r.param.grad is not self._markers.get(r.index, (0, 0))[1]:
+                r.param.grad = None
 
     def set_grad(self, r: ParamRecord, grad: torch.Tensor | None) -> None:
         """``.grad`` for the fallback optimizer's step, then back to the marker (None under FSDP2)."""
@@ -348,9 +351,10 @@ class GradIntake(Intake):
                     )
                 self._grad_dtypes[r.index] = r.param.grad_dtype
                 r.param.grad_dtype = torch.float32
-            if r.param.grad is not None:  # a gradient from before wrapping counts
+            if r.param.grad is not None:  # a gradient from before wrapping counts, unless zero_grad() drops it
                 _copy_into(r.buffer, r.param.grad)
                 self.window.touched.add(r.index)
+                self.window.grads_since_step = True
             if r.param.requires_grad:
                 r.param.grad = r.buffer
 

@@ -174,7 +174,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         return self.intake == "hooks"
 
     def __repr__(self) -> str:
-        return (f"AccumulatingOptimizer({self.optimizer!r}, accum_steps={self.accum_steps}, "
+        return (f"{type(self).__name__}({self.optimizer!r}, accum_steps={self.accum_steps}, "
                 f"normalize={self.normalize!r}, max_grad_norm={self.max_grad_norm}, intake={self.intake!r})")  # fmt: skip
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -213,8 +213,6 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             raise RuntimeError("the wrapped optimizer's params changed after wrapping (a param group was added or "
                                "edited); add every param group before wrapping it")  # fmt: skip
         self._refuse_several_backwards()
-        if isinstance(self._sync, _distributed.BucketReducer) and not self._sync.replicas_checked:
-            self._sync.check_replicas()
         window = self._window
         window.count_items(num_items)
         ends_window = self.accum_steps is None or window.micro_steps + 1 >= self.accum_steps
@@ -302,14 +300,16 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict (loadable by the plain optimizer),
-        plus an ``"accumkernels"`` entry with the in-window state: buffers,
-        counts, inf flags, master weights, seed. Per rank in distributed runs."""
+        plus an ``"accumkernels"`` entry with the in-window state: buffers
+        (None at a window boundary, where they hold nothing), counts, inf
+        flags, master weights, seed. Per rank in distributed runs."""
         self._refuse_during_reduction("state_dict()")
         _checkpoint.refuse_dcp_mid_window(self._window)
         self._intake.flush()
         sd = self.optimizer.state_dict()
+        empty = not self._window.micro_steps and not self._window.touched  # at a window boundary: nothing to keep
         sd["accumkernels"] = {
-            "flat_buffer": self._layout.flat.clone(),
+            "flat_buffer": None if empty else self._layout.flat.clone(),
             **self._window.state_dict(),
             "master_weights": {r.index: r.master.clone() for r in self._layout if r.master is not None},
             "world_size": self.world_size,

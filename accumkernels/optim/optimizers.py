@@ -1,0 +1,96 @@
+"""Drop-in optimizer classes: ``accumkernels.AdamW``, ``Adam`` and ``SGD``.
+
+Each takes ``torch.optim``'s signature (params or param groups, every
+hyperparameter with torch's default) plus AccumulatingOptimizer's keywords,
+builds the matching ``torch.optim`` optimizer and wraps it: the class is an
+AccumulatingOptimizer, and so a ``torch.optim.Optimizer``, that can be built
+wherever frameworks build optimizers from a class (HF Trainer's
+``optimizer_cls_and_kwargs``, Lightning's ``configure_optimizers``, configs
+that instantiate a class by name). Its ``state_dict()`` is the torch
+optimizer's (plus the in-window entry), so it loads into the matching
+``torch.optim`` class and back.
+
+With the defaults (``accum_steps=None``) every ``step()`` call ends a window:
+the loop, or the framework, counts the micro-batches and scales the loss as it
+would for ``torch.optim``; the gradients are summed in fp32 and the step is the
+fused one. ``accum_steps=N`` makes the class count the window instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .wrapper import AccumulatingOptimizer
+
+_TORCH_ONLY = "differentiable=True: the fused step is not differentiable (use torch.optim's optimizer)"
+
+
+class AdamW(AccumulatingOptimizer):
+    """``torch.optim.AdamW`` accumulating its gradients in fp32 buffers (see
+    AccumulatingOptimizer): per window, with ``g`` the window's gradient::
+
+        w = w * (1 - lr * weight_decay)
+        m = beta1 * m + (1 - beta1) * g;  v = beta2 * v + (1 - beta2) * g^2
+        w = w - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+
+    Args: those of ``torch.optim.AdamW`` (``foreach``, ``fused`` and
+    ``capturable`` are kept in the param groups for interchange; the step is
+    always accumkernels' fused one), then ``accum_steps`` and the keyword
+    arguments of AccumulatingOptimizer (``max_grad_norm``, ``master_weights``,
+    ``stochastic_rounding``, ``state_dtype``, ``intake``, ...).
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
+                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
+                 accum_steps: int | None = None, **options) -> None:  # fmt: skip
+        if differentiable:
+            raise ValueError(f"accumkernels.AdamW: {_TORCH_ONLY}")
+        inner = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                                  maximize=maximize, foreach=foreach, capturable=capturable, fused=fused)  # fmt: skip
+        super().__init__(inner, accum_steps, **options)
+
+
+class Adam(AccumulatingOptimizer):
+    """``torch.optim.Adam`` accumulating its gradients in fp32 buffers (see
+    AccumulatingOptimizer): per window, with ``g`` the window's gradient::
+
+        g = g + weight_decay * w          (w = w * (1 - lr * weight_decay) if decoupled_weight_decay)
+        m = beta1 * m + (1 - beta1) * g;  v = beta2 * v + (1 - beta2) * g^2
+        w = w - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+
+    Args: those of ``torch.optim.Adam``, then ``accum_steps`` and the keyword
+    arguments of AccumulatingOptimizer (see accumkernels.AdamW).
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False, *,
+                 foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
+                 decoupled_weight_decay=False, accum_steps: int | None = None, **options) -> None:  # fmt: skip
+        if differentiable:
+            raise ValueError(f"accumkernels.Adam: {_TORCH_ONLY}")
+        inner = torch.optim.Adam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                                 foreach=foreach, maximize=maximize, capturable=capturable, fused=fused,
+                                 decoupled_weight_decay=decoupled_weight_decay)  # fmt: skip
+        super().__init__(inner, accum_steps, **options)
+
+
+class SGD(AccumulatingOptimizer):
+    """``torch.optim.SGD`` accumulating its gradients in fp32 buffers (see
+    AccumulatingOptimizer): per window, with ``g`` the window's gradient::
+
+        g = g + weight_decay * w
+        b = momentum * b + (1 - dampening) * g   (b = g on the first step)
+        g = g + momentum * b if nesterov else b
+        w = w - lr * g
+
+    Args: those of ``torch.optim.SGD``, then ``accum_steps`` and the keyword
+    arguments of AccumulatingOptimizer (see accumkernels.AdamW).
+    """
+
+    def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *, maximize=False,
+                 foreach=None, differentiable=False, fused=None, accum_steps: int | None = None,
+                 **options) -> None:  # fmt: skip
+        if differentiable:
+            raise ValueError(f"accumkernels.SGD: {_TORCH_ONLY}")
+        inner = torch.optim.SGD(params, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                                nesterov=nesterov, maximize=maximize, foreach=foreach, fused=fused)  # fmt: skip
+        super().__init__(inner, accum_steps, **options)
