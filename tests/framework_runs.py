@@ -27,6 +27,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import accumkernels as ak  # noqa: E402
 
 CLIP = 0.05
+# Adam turns a near-zero gradient element into a step of up to lr: with eps=1e-8
+# the last-ulp differences between two correct AdamW implementations (torch's
+# fused kernel contracts a + b*c, ours does not) would move such elements by
+# 1e-4 (see tests/test_optimizer.py). eps=1e-4 keeps them below the tolerance.
+ADAM_EPS = 1e-4
 
 
 def params_of(model) -> list[list[float]]:
@@ -254,6 +259,138 @@ def own_loop_scaler(wrap: bool, loop: str) -> dict:
     return {"params": params_of(model), "scales": scales}
 
 
+# ---- the drop-in class, built by the framework --------------------------------------
+
+
+def hf_trainer_class(wrap: bool) -> dict:
+    """Trainer builds the optimizer itself (its own param groups: no weight decay
+    on biases and norms), its scheduler (cosine with warm-up), clips, trains in
+    bf16, saves a checkpoint at step 2; a second Trainer resumes from it. Plain:
+    Trainer's default AdamW; ours: optimizer_cls_and_kwargs=(accumkernels.AdamW,
+    the same lr, betas and eps)."""
+    import shutil
+
+    from transformers import Trainer, TrainingArguments
+
+    folder = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"ak-hf-class-{wrap:d}-{os.getpid()}")
+    shutil.rmtree(folder, ignore_errors=True)
+
+    def trainer():
+        args = TrainingArguments(output_dir=folder, per_device_train_batch_size=2, gradient_accumulation_steps=4,
+                                 max_steps=4, learning_rate=5e-3, weight_decay=0.1, lr_scheduler_type="cosine",
+                                 warmup_steps=2, max_grad_norm=CLIP, bf16=True, logging_steps=1, report_to="none",
+                                 use_cpu=True, save_strategy="steps", save_steps=2, seed=0,
+                                 dataloader_drop_last=True, adam_epsilon=ADAM_EPS)  # fmt: skip
+        kwargs = {}
+        if wrap:
+            kwargs["optimizer_cls_and_kwargs"] = (ak.AdamW, {"lr": args.learning_rate, "eps": args.adam_epsilon,
+                                                             "betas": (args.adam_beta1, args.adam_beta2)})  # fmt: skip
+        return Trainer(model=tiny_llama(), args=args, train_dataset=TokenData(), **kwargs)
+
+    straight = trainer()
+    straight.train()
+    logs = [h for h in straight.state.log_history if "loss" in h]
+    resumed = trainer()
+    resumed.train(resume_from_checkpoint=os.path.join(folder, "checkpoint-2"))
+    shutil.rmtree(folder, ignore_errors=True)
+    return {"params": params_of(straight.model), "resumed": params_of(resumed.model),
+            "grad_norms": [h.get("grad_norm") for h in logs], "lrs": [h.get("learning_rate") for h in logs],
+            "weight_decays": sorted(g["weight_decay"] for g in straight.optimizer.param_groups),
+            "class": type(getattr(straight.optimizer, "optimizer", straight.optimizer)).__name__}  # fmt: skip
+
+
+def lightning_class(wrap: bool) -> dict:
+    """configure_optimizers returns the class with a scheduler dict (stepped per
+    optimizer step); 2 epochs straight, and 1 epoch, a checkpoint, a new
+    Trainer resuming from it for the second."""
+    import pytorch_lightning as pl
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+            self.logged = []
+
+        def training_step(self, batch, i):
+            return F.mse_loss(self.net(batch[0]), batch[1])
+
+        def on_before_optimizer_step(self, optimizer):
+            from pytorch_lightning.utilities import grad_norm
+
+            self.logged.append(float(grad_norm(self, norm_type=2)["grad_2.0_norm_total"]))
+
+        def configure_optimizers(self):
+            cls = ak.AdamW if wrap else torch.optim.AdamW
+            opt = cls(self.parameters(), lr=1e-2, weight_decay=0.01)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    x, y = regression_data(32)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    folder = os.environ.get("TMPDIR", "/tmp")
+    path = os.path.join(folder, f"ak-lightning-{wrap:d}-{os.getpid()}.ckpt")
+
+    def fit(epochs, ckpt=None):
+        module = Module()
+        trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, enable_progress_bar=False,
+                             logger=False, enable_checkpointing=False, enable_model_summary=False,
+                             accumulate_grad_batches=4, gradient_clip_val=CLIP)  # fmt: skip
+        trainer.fit(module, loader, ckpt_path=ckpt)
+        return module, trainer
+
+    straight, _ = fit(2)
+    first, trainer = fit(1)
+    trainer.save_checkpoint(path)
+    resumed, _ = fit(2, ckpt=path)
+    os.remove(path)
+    return {"params": params_of(straight.net), "resumed": params_of(resumed.net), "logged_norms": straight.logged}
+
+
+def accelerate_state(wrap: bool) -> dict:
+    """accelerator.save_state after 2 windows, load_state into fresh objects,
+    2 more windows; against 4 windows straight."""
+    import shutil
+
+    from accelerate import Accelerator
+
+    x, y = regression_data()
+    folder = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"ak-accelerate-{wrap:d}-{os.getpid()}")
+
+    def setup():
+        accelerator = Accelerator(gradient_accumulation_steps=4, cpu=True)
+        model = mlp()
+        opt = (ak.AdamW if wrap else torch.optim.AdamW)(model.parameters(), lr=1e-2, weight_decay=0.01)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+        return accelerator, *accelerator.prepare(model, opt, loader, scheduler)
+
+    def train(accelerator, model, opt, loader, scheduler, windows):
+        batches = iter(loader)
+        for _ in range(windows * 4):
+            xb, yb = next(batches)
+            with accelerator.accumulate(model):
+                accelerator.backward(F.mse_loss(model(xb), yb))
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), CLIP)
+                opt.step()
+                scheduler.step()
+                opt.zero_grad()
+
+    accelerator, model, opt, loader, scheduler = setup()
+    train(accelerator, model, opt, loader, scheduler, 4)
+    straight = params_of(accelerator.unwrap_model(model))
+    accelerator, model, opt, loader, scheduler = setup()
+    train(accelerator, model, opt, loader, scheduler, 2)
+    accelerator.save_state(folder)
+    accelerator, model, opt, loader, scheduler = setup()
+    accelerator.load_state(folder)
+    xs, ys = x[32:], y[32:]  # the last 2 windows' batches
+    loader = accelerator.prepare(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xs, ys), batch_size=4))
+    train(accelerator, model, opt, loader, scheduler, 2)
+    shutil.rmtree(folder, ignore_errors=True)
+    return {"params": straight, "resumed": params_of(accelerator.unwrap_model(model))}
+
+
 # ---- what the frameworks must not train silently wrong --------------------------------
 
 
@@ -325,7 +462,8 @@ def accum_steps_under_frameworks() -> dict:
 
 SINGLE_RUNS = {"accum_steps_under_frameworks": accum_steps_under_frameworks}
 
-RUNS = {"hf_trainer": hf_trainer, "accelerate_loop": accelerate_loop,
+RUNS = {"hf_trainer_class": hf_trainer_class, "lightning_class": lightning_class, "accelerate_state": accelerate_state,
+        "hf_trainer": hf_trainer, "accelerate_loop": accelerate_loop,
         "accelerate_skipped_window": accelerate_skipped_window, "lightning": lightning,
         "own_loop_scaler": own_loop_scaler}  # fmt: skip
 

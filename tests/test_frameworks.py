@@ -154,6 +154,40 @@ def test_gradscaler_not_given_to_the_wrapper(loop):
     assert rel_diff(result["ours"]["params"], result["plain"]["params"]) <= 1e-5
 
 
+@needs("transformers", "accelerate")
+def test_hf_trainer_builds_the_class():
+    """HF Trainer builds accumkernels.AdamW from optimizer_cls_and_kwargs with its
+    own param groups (no decay on biases and norms), cosine schedule with
+    warm-up, clipping, bf16; resume_from_checkpoint mid-training equals the
+    straight run. Against Trainer's default AdamW through the same path."""
+    result = run("hf_trainer_class")
+    plain, ours = result["plain"], result["ours"]
+    assert ours["class"] == "AdamW" and ours["weight_decays"] == plain["weight_decays"] == [0.0, 0.1]
+    assert ours["lrs"] == plain["lrs"] and plain["lrs"][0] < plain["lrs"][1], "warm-up"
+    assert_same_training(result)
+    assert rel_diff(ours["resumed"], ours["params"]) <= 1e-6
+    assert rel_diff(plain["resumed"], plain["params"]) <= 1e-6
+
+
+@needs("pytorch_lightning")
+def test_lightning_builds_the_class():
+    """configure_optimizers returns accumkernels.AdamW with a scheduler dict;
+    resuming from a checkpoint equals the straight run."""
+    result = run("lightning_class")
+    assert_same_training(result, norms="logged_norms")
+    assert rel_diff(result["ours"]["resumed"], result["ours"]["params"]) <= 1e-6
+    assert rel_diff(result["plain"]["resumed"], result["plain"]["params"]) <= 1e-6
+
+
+@needs("accelerate")
+def test_accelerate_saves_and_loads_the_class():
+    result = run("accelerate_state")
+    plain, ours = result["plain"], result["ours"]
+    assert rel_diff(ours["params"], plain["params"]) <= 1e-5
+    assert rel_diff(ours["resumed"], ours["params"]) <= 1e-6
+    assert rel_diff(plain["resumed"], plain["params"]) <= 1e-6
+
+
 @needs("transformers", "accelerate", "pytorch_lightning")
 def test_accum_steps_while_the_framework_counts_is_refused():
     """accum_steps=4 in the wrapper while HF Trainer, Accelerate or Lightning
