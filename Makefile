@@ -44,7 +44,15 @@ build: $(VENV)/.built
 test: build
 	ACCUMKERNELS_REQUIRE_FRAMEWORKS=1 $(PY) -m pytest -ra
 
-bench: build
+# The convergence benchmark's peers (bench/convergence.py), installed for make bench only.
+PEERS ?= torchao==0.18.0 bitsandbytes
+
+$(VENV)/.bench-deps: $(VENV)/.deps
+	@echo "== the convergence benchmark's peers: $(PEERS)"
+	$(PY) -m pip install --quiet $(PEERS)
+	touch $@
+
+bench: build $(VENV)/.bench-deps
 	$(PY) -m bench.run
 
 # For a GPU machine without network (bench/gpu_check.sh; carry .gpu-deps): pytest,

@@ -7,6 +7,11 @@ Bytes model (per element, what the pass must move at least):
   add bf16/fp16 grad into fp32 buffer 10 = 4 + 2 + 4
   overwrite from a bf16 grad           6 = read grad 2 + write buffer 4
   AdamW/Adam step, fp32 params        32 = read p, g, m, v (16) + write p, m, v, g=0 (16)
+  AdamW step, bf16 params, bf16 state 20 = read p 2, g 4, m 2, v 2 + write p 2, m 2, v 2, g=0 4
+                                           (the defaults for bf16 params; 28 with fp32 state)
+  ... + int16 remainders, fp32 state  32 = 28 + read and write the remainder (2 + 2)
+  ... + fp32 master weights           36 = 28 + read and write the master (4 + 4)
+  torch AdamW, bf16 params and .grad  16 = read p, g, m, v (8) + write p, m, v, g=0 (8)
   SGD step, fp32 params, no momentum  16 = read p, g (8) + write p, g=0 (8)
 The torch baselines are charged the same model (their extra passes show up as
 lower GB/s). The ceiling is torch's own fp32 ``buf.add_(grad)`` (12 B/element)
@@ -194,6 +199,33 @@ def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
         group.add(f"adamw_nozero[{backend}]", f"adamw_step_and_zero_ zero_buffers=False [{backend}] (28 B)", 28, numel,
                   lambda backend=backend: ak.adamw_step_and_zero_([p], [g], [m], [v], [step], lr=1e-3, zero_buffers=False,
                                                                   backend=backend))  # fmt: skip
+    # bf16 params: the defaults (stochastic rounding, bf16 state) and the master
+    # weight options, against torch's fused AdamW on bf16 params, .grad and state.
+    bf16_params = [torch.nn.Parameter(torch.randn(numel, device=device).bfloat16())]
+    bf16_params[0].grad = (torch.randn(numel, device=device) * 1e-3).bfloat16()
+    fused_bf16 = torch.optim.AdamW(bf16_params, lr=1e-3, fused=True)
+
+    def torch_bf16_step():
+        fused_bf16.step()
+        fused_bf16.zero_grad(set_to_none=False)
+
+    group.add("adamw_torch_fused_bf16", "torch AdamW(fused) + grad.zero_(), bf16 params, .grad and state", 16, numel,
+              torch_bf16_step)  # fmt: skip
+    pb = bf16_params[0].detach().clone()
+    mb, vb = torch.zeros_like(pb), torch.zeros_like(pb)
+    m32, v32 = torch.zeros(numel, device=device), torch.zeros(numel, device=device)
+    remainders, masters = torch.zeros_like(pb, dtype=torch.int16), pb.float()
+    for backend in backends:
+        for key, label, bpe, state, extra, sr in (
+            ("adamw_bf16_state", "bf16 params, bf16 state, stochastic rounding (defaults)", 20, (mb, vb), None, True),
+            ("adamw_bf16_fp32_state", "bf16 params, fp32 state, stochastic rounding", 28, (m32, v32), None, True),
+            ("adamw_bf16_remainders", "bf16 params + int16 remainders, fp32 state", 32, (m32, v32), remainders, False),
+            ("adamw_bf16_master", "bf16 params + fp32 master weights, fp32 state", 36, (m32, v32), masters, False),
+        ):  # fmt: skip
+            group.add(f"{key}[{backend}]", f"adamw_step_and_zero_ {label} [{backend}]", bpe, numel,
+                      lambda state=state, extra=extra, sr=sr, backend=backend: ak.adamw_step_and_zero_(
+                          [pb], [g], [state[0]], [state[1]], [step], lr=1e-3, stochastic_rounding=sr, seed=3,
+                          master_params=None if extra is None else [extra], backend=backend))  # fmt: skip
     # The same step over a model's 200 tensors, against torch's fused AdamW:
     # GPT d=512 (60M elements) on the CPU, d=2048 (846M) on CUDA.
     d_model = 2048 if device.type == "cuda" and not quick else 512
@@ -267,6 +299,7 @@ HEADLINE = {
         ("adamw_step_and_zero_ vs torch fused + zero_", "adamw_torch_fused", "adamw[{b}]", "time", 1.1),
         ("adamw step, zero_buffers=False vs torch fused + zero_", "adamw_torch_fused", "adamw_nozero[{b}]", "time", 1.1),
         ("adamw_step_and_zero_ vs torch foreach + zero_", "adamw_torch_foreach", "adamw[{b}]", "time", 3.0),
+        ("adamw bf16 params + bf16 state GB/s / fp32 state GB/s", "adamw_bf16_state[{b}]", "adamw[{b}]", "gbps", 0.9),
     ],
     "cuda": [
         ("accumulate_ bf16, fraction of copy bandwidth", "accumulate_bf16[{b}]", "ceiling", "gbps", 0.9),
@@ -275,6 +308,8 @@ HEADLINE = {
         ("accumulate_ bf16 vs torch mixed add_", "torch_add_bf16", "accumulate_bf16[{b}]", "time", 1.5),
         ("AdamW 200 tensors, fraction of copy bandwidth", "adamw_list[{b}]", "ceiling_adamw", "gbps", 0.9),
         ("AdamW 200 tensors vs torch fused + zero_", "adamw_list_torch_fused", "adamw_list[{b}]", "time", 1.2),
+        ("AdamW bf16 params + bf16 state, fraction of copy bandwidth", "adamw_bf16_state[{b}]", "ceiling_adamw", "gbps",
+         0.9),
     ],
 }
 

@@ -14,7 +14,10 @@ On the best device present (CUDA if any, else the CPU) it runs, in order:
    float64 sum of the same micro-batch gradients and against the float64
    gradient of the big batch;
 5. the trade itself: one effective batch of 64 sequences as N micro-batches,
-   N = 1..64: peak memory and time, plain and with the wrapper.
+   N = 1..64: peak memory and time, plain and with the wrapper;
+6. convergence (bench/convergence.py): the held-out loss each recipe trains a
+   GPT to on Python's standard library, beside fp32 and the peers (torchao,
+   bitsandbytes where installed), 3 seeds; bytes/param of training state.
 
 It prints progress and tables and writes bench/results/local/suite-<device>.json
 (machine, versions, commit, every median; --results-dir elsewhere) and PNG
@@ -29,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from . import common, e2e, kernels
+from . import common, convergence, e2e, kernels
 
 
 def _powers_of_two(ax, values) -> None:
@@ -140,7 +143,7 @@ def main(argv=None) -> int:
     record = common.machine_record(device)
     print(f"accumkernels benchmark suite on {device}, commit {record['commit']}{' (quick)' if args.quick else ''}")
 
-    print("\n[1/5] kernels")
+    print("\n[1/6] kernels")
     numel = 4 * 2**20 if args.quick else (64 if device.type == "cuda" else 32) * 2**20
     kernel_result = kernels.run(device, numel, 5 if args.quick else 15, args.quick)
     import accumkernels
@@ -148,22 +151,29 @@ def main(argv=None) -> int:
     backend = "cuda" if device.type == "cuda" else "cpu"
     heads = kernels.headline(kernel_result, backend, device.type) if backend in accumkernels.available_backends() else []
 
-    print("\n[2/5] size sweep")
+    print("\n[2/6] size sweep")
     sizes = [2**20, 4 * 2**20] if args.quick else [2**20, 4 * 2**20, 16 * 2**20, 64 * 2**20, 256 * 2**20]
     sweep = kernels.size_sweep(device, sizes, 3 if args.quick else 7)
 
-    print("\n[3/5] training windows (each measurement in its own process)")
+    print("\n[3/6] training windows (each measurement in its own process)")
     windows = e2e.windows_suite(device.type, args.quick)
-    print("\n[4/5] precision of the window gradient against N")
+    print("\n[4/6] precision of the window gradient against N")
     precision = e2e.precision_suite(device.type, args.quick)
-    print("\n[5/5] one big batch against N micro-batches")
+    print("\n[5/6] one big batch against N micro-batches")
     trade = e2e.trade_suite(device.type, args.quick)
+
+    print("\n[6/6] convergence: held-out loss on real text, every recipe on the same batches and seeds")
+    setting = "quick" if args.quick else "default"
+    converged = convergence.run(setting)
+    convergence_path = common.write_results(f"convergence-{setting}", converged, folder)
 
     result = {"machine": record, "quick": args.quick, "kernels": kernel_result, "headline": heads,
               "size_sweep": sweep, "windows": windows, "precision": precision, "trade": trade}  # fmt: skip
     path = common.write_results(stem, result, folder)
     try:
         plots = _plots(result, folder, stem)
+        convergence.plot(converged, convergence_path.with_suffix(".png"))
+        plots.append(convergence_path.with_suffix(".png"))
     except ImportError:
         print("no plots: matplotlib is not installed")
         plots = []
@@ -180,7 +190,10 @@ def main(argv=None) -> int:
     if heads:
         print("\n" + common.table(heads, [("figure", f"headline [{backend}]", "s"), ("value", "value", ".2f"),
                                           ("target", "target", ".2f"), ("met", "met", "")]))  # fmt: skip
-    print(f"\nwrote {path}")
+    print("\n" + common.table(converged["rows"], convergence.TABLE))
+    for name, why in converged["skipped"].items():
+        print(f"not run: {name}: {why}")
+    print(f"\nwrote {path} and {convergence_path}")
     for p in plots:
         print(f"wrote {p}")
     return 0

@@ -46,7 +46,18 @@ def test_suite_quick_mode(native_only, tmp_path):
         # ... but the bf16 backward's own error stays: far above fp32 compute's.
         assert n16[intake]["total_error"] > 100 * n16["plain-fp32"]["total_error"]
     assert {p.name for p in tmp_path.glob("*.png")} == {f"suite-cpu-quick-{k}.png" for k in
-                                                       ("sizes", "windows", "precision", "trade")}  # fmt: skip
+                                                       ("sizes", "windows", "precision", "trade")} | {
+        "convergence-quick.png"}  # fmt: skip
+    # Convergence: the training state each recipe keeps, measured on its objects (bytes per param):
+    # fp32 params, .grad and two moments; bf16 params, .grad and torch's bf16 moments; the wrapper's
+    # defaults on bf16 params (bf16 params and moments, fp32 buffers); remainders (fp32 moments, +2).
+    converged = json.loads((tmp_path / "convergence-quick.json").read_text())
+    rows = {r["recipe"]: r for r in converged["rows"]}
+    assert {name: rows[name]["bytes_per_param"] for name in rows} == {"fp32": 16.0, "bf16-plain": 8.0, "ours": 10.0,
+                                                                      "ours-remainders": 16.0}  # fmt: skip
+    untrained = 5.5452  # ln(256): a byte-level model that knows nothing
+    assert all(r["held_out_loss"] < untrained for r in converged["rows"]), "every recipe learns"
+    assert rows["fp32"]["vs_fp32"] == 0
     for name in ("sizes", "windows", "trade"):
         assert (tmp_path / f"suite-cpu-quick-{name}.png").stat().st_size > 0
 

@@ -963,3 +963,21 @@ def test_resuming_with_another_accum_steps(backend, where):
     else:
         longer.load_state_dict(saved)
         assert longer.micro_steps == 0
+
+
+@pytest.mark.parametrize("intake", ak.AccumulatingOptimizer.INTAKES)
+def test_autograd_grad_does_not_feed_the_window(backend, intake):
+    """torch.autograd.grad (a gradient penalty, a per-example norm) computes
+    gradients without accumulating them into .grad: the window ignores them,
+    as torch.optim does."""
+    windows = [data() for _ in range(2)]
+    plain, ours = mlp(), mlp()
+    big_batch_run(plain, torch.optim.SGD(plain.parameters(), lr=0.1), windows)
+    opt = ak.AccumulatingOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1), accum_steps=4, intake=intake,
+                                   backend=backend)  # fmt: skip
+    for x, y in windows:
+        for xb, yb in zip(x.chunk(4), y.chunk(4)):
+            torch.autograd.grad(F.mse_loss(ours(xb), yb), list(ours.parameters()))
+            F.mse_loss(ours(xb), yb).backward()
+            opt.step()
+    assert rel_diff(ours, plain) <= 1e-5

@@ -2,8 +2,8 @@
 
 ``HookIntake`` ("hooks"): a hook per param takes its gradient as autograd
 computes it (a tensor hook on the param, run before autograd would add it into
-``.grad``; FSDP2: a post-accumulate-grad hook, once FSDP2 handed the reduced
-shard over); when a bucket's gradients are all there, one ``accumulate_`` call
+``.grad``, and skipped in ``torch.autograd.grad()``, which accumulates nothing;
+FSDP2: a post-accumulate-grad hook, once FSDP2 handed the reduced shard over); when a bucket's gradients are all there, one ``accumulate_`` call
 folds them into the buffers (cast, loss-scale and inf check in the same pass; a
 param's first gradient of a window overwrites its buffer, so nothing is ever
 zeroed). At most a bucket's worth of gradients lives beside the buffers.
@@ -164,10 +164,17 @@ class Intake:
         """A param's hook: its gradient is ready (``arg``: what the hook got)."""
         if self._watch_late_init:
             self._refuse_late_init()
-        self.arrivals[index] = self.arrivals.get(index, 0) + 1
         r = self.layout.records[index]
+        if not self._accumulating(r):
+            return
+        self.arrivals[index] = self.arrivals.get(index, 0) + 1
         self._check_param(r)
         self._take(r, arg)
+
+    def _accumulating(self, r: ParamRecord) -> bool:
+        """Whether the gradient the hook got is one autograd accumulates into
+        ``.grad`` (always, for post-accumulate-grad hooks)."""
+        return True
 
     @property
     def check_inf(self) -> bool:
@@ -204,13 +211,26 @@ class HookIntake(Intake):
 
     def __init__(self, *args, **kwargs) -> None:
         self._pending: dict[int, list[tuple[ParamRecord, torch.Tensor]]] = {}  # bucket -> (record, gradient)
+        self._accumulators: dict[int, object] = {}  # param index -> its AccumulateGrad node
         super().__init__(*args, **kwargs)
 
     def _register(self, r: ParamRecord, hook):
         if r.local_of is not None:  # FSDP2 assigns the reduced shard to .grad and runs these hooks itself
             return r.param.register_post_accumulate_grad_hook(hook)
         self._markers[r.index] = (r.param, FoldedGrad(r.param, r.index))
+        # The param's gradient accumulator, kept alive (torch holds it weakly):
+        # tensor hooks also run in torch.autograd.grad(), which accumulates nothing.
+        self._accumulators[r.index] = r.param.view_as(r.param).grad_fn.next_functions[0][0]
         return r.param.register_hook(hook)
+
+    def _accumulating(self, r: ParamRecord) -> bool:
+        node = self._accumulators.get(r.index)
+        if node is None:
+            return True
+        try:
+            return torch._C._will_engine_execute_node(node)
+        except RuntimeError:  # torch refuses leaves while it runs autograd.grad(): nothing is accumulated then
+            return False
 
     def _take(self, r: ParamRecord, arg) -> None:
         if r.local_of is not None:
