@@ -23,10 +23,10 @@ NATIVE_SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
 .PHONY: test bench build clean gpu-deps
 
 $(VENV)/.deps:
-	@echo "== setting up $(VENV): $(TORCH) (a CUDA build is ~5.5 GB), ninja, pytest, numpy, matplotlib; 1-3 minutes"
+	@echo "== setting up $(VENV): $(TORCH) (a CUDA build is ~5.5 GB), ninja, pytest, pytest-xdist, numpy, matplotlib; 1-3 minutes"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH)" ninja pytest numpy matplotlib "setuptools>=77" wheel
+	$(PY) -m pip install --quiet "$(TORCH)" ninja pytest pytest-xdist numpy matplotlib "setuptools>=77" wheel
 	if $(PY) -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)"; then \
 		$(PY) -m pip install --quiet cuda-bindings; fi
 	@echo "== test frameworks: $(FRAMEWORKS), and $(TRANSFORMERS4) in $(VENV)/transformers4"
@@ -41,8 +41,10 @@ $(VENV)/.built: $(VENV)/.deps $(NATIVE_SOURCES)
 
 build: $(VENV)/.built
 
+# Two pytest-xdist workers, one thread each (tests/conftest.py), a module (or
+# class) at a time: a module that spawns ranks for its tests does so once.
 test: build
-	ACCUMKERNELS_REQUIRE_FRAMEWORKS=1 $(PY) -m pytest -ra
+	ACCUMKERNELS_REQUIRE_FRAMEWORKS=1 $(PY) -m pytest -ra -n 2 --dist loadscope
 
 # The convergence benchmark's peers (bench/convergence.py), installed for make bench only.
 PEERS ?= torchao==0.18.0 bitsandbytes

@@ -78,39 +78,6 @@ def assert_same_training(result: dict, norms: str = "grad_norms") -> None:
     torch.testing.assert_close(torch.tensor(ours[norms]), torch.tensor(plain[norms]), rtol=1e-5, atol=0)
 
 
-@needs("transformers", "accelerate")
-@pytest.mark.parametrize("max_grad_norm", [0.05, 0.0], ids=["clip-staged-unfreezing", "no-clip"])
-def test_hf_trainer(max_grad_norm):
-    """Trainer clips .grad and logs its norm: both act on the window's
-    gradient. With clipping, the embedding is also frozen for the first step
-    and unfrozen by a callback (staged fine-tuning): trained as plain AdamW."""
-    result = run("hf_trainer", max_grad_norm=max_grad_norm, unfreeze=bool(max_grad_norm))
-    assert result["ours"]["intake"] == "grad"
-    plain, ours = result["plain"], result["ours"]
-    assert rel_diff(ours["params"], plain["params"]) <= 1e-5
-    assert ours["lrs"] == plain["lrs"]
-    if max_grad_norm:
-        assert_same_training(result)
-    else:  # what plain logs without clipping, ours logs too: the same gradients, their norm summed in another order
-        n = sum(len(p) for p in plain["params"])
-        torch.testing.assert_close(torch.tensor(ours["grad_norms"]), torch.tensor(plain["grad_norms"]),
-                                   rtol=summation_rtol(n), atol=0)  # fmt: skip
-
-
-@needs("accelerate")
-@pytest.mark.skipif(not (TRANSFORMERS4 / "transformers").exists() and not REQUIRED,
-                    reason=f"transformers 4.x is not installed in {TRANSFORMERS4}")  # fmt: skip
-def test_hf_trainer_transformers_4():
-    result = run("hf_trainer", pythonpath=str(TRANSFORMERS4), max_grad_norm=0.05)
-    assert_same_training(result)
-
-
-@needs("transformers", "accelerate", "peft")
-def test_peft_lora_under_hf_trainer():
-    """Only the adapters are trainable and given to the optimizer."""
-    assert_same_training(run("hf_trainer", max_grad_norm=0.05, peft=True))
-
-
 @needs("accelerate")
 @pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
 def test_accelerate_clip_grad_norm(mixed_precision):
@@ -152,21 +119,6 @@ def test_gradscaler_not_given_to_the_wrapper(loop):
     assert result["ours"]["scales"] == result["plain"]["scales"]
     assert result["plain"]["scales"][0] == 2.0**11, "the poisoned window backs the scale off"
     assert rel_diff(result["ours"]["params"], result["plain"]["params"]) <= 1e-5
-
-
-@needs("transformers", "accelerate")
-def test_hf_trainer_builds_the_class():
-    """HF Trainer builds accumkernels.AdamW from optimizer_cls_and_kwargs with its
-    own param groups (no decay on biases and norms), cosine schedule with
-    warm-up, clipping, bf16; resume_from_checkpoint mid-training equals the
-    straight run. Against Trainer's default AdamW through the same path."""
-    result = run("hf_trainer_class")
-    plain, ours = result["plain"], result["ours"]
-    assert ours["class"] == "AdamW" and ours["weight_decays"] == plain["weight_decays"] == [0.0, 0.1]
-    assert ours["lrs"] == plain["lrs"] and plain["lrs"][0] < plain["lrs"][1], "warm-up"
-    assert_same_training(result)
-    assert rel_diff(ours["resumed"], ours["params"]) <= 1e-6
-    assert rel_diff(plain["resumed"], plain["params"]) <= 1e-6
 
 
 @needs("pytorch_lightning")
@@ -211,9 +163,61 @@ def test_accelerate_on_two_processes(tmp_path):
     assert ranks[0]["ours"]["params"] == ranks[1]["ours"]["params"]
 
 
-@needs("transformers", "accelerate")
-def test_hf_trainer_on_two_processes(tmp_path):
-    ranks = launch("hf_trainer", tmp_path, max_grad_norm=0.05)
-    for r in ranks:
-        assert_same_training(r)
-    assert ranks[0]["ours"]["params"] == ranks[1]["ours"]["params"]
+class TestHuggingFace:
+    """HF Trainer (transformers 5.x and 4.x), PEFT, the class built by Trainer,
+    two processes. (A class: pytest-xdist runs it apart from the module's other tests.)"""
+
+    @needs("transformers", "accelerate")
+    @pytest.mark.parametrize("max_grad_norm", [0.05, 0.0], ids=["clip-staged-unfreezing", "no-clip"])
+    def test_hf_trainer(self, max_grad_norm):
+        """Trainer clips .grad and logs its norm: both act on the window's
+        gradient. With clipping, the embedding is also frozen for the first step
+        and unfrozen by a callback (staged fine-tuning): trained as plain AdamW."""
+        result = run("hf_trainer", max_grad_norm=max_grad_norm, unfreeze=bool(max_grad_norm))
+        assert result["ours"]["intake"] == "grad"
+        plain, ours = result["plain"], result["ours"]
+        assert rel_diff(ours["params"], plain["params"]) <= 1e-5
+        assert ours["lrs"] == plain["lrs"]
+        if max_grad_norm:
+            assert_same_training(result)
+        else:  # what plain logs without clipping, ours logs too: the same gradients, their norm summed in another order
+            n = sum(len(p) for p in plain["params"])
+            torch.testing.assert_close(torch.tensor(ours["grad_norms"]), torch.tensor(plain["grad_norms"]),
+                                       rtol=summation_rtol(n), atol=0)  # fmt: skip
+
+
+    @needs("accelerate")
+    @pytest.mark.skipif(not (TRANSFORMERS4 / "transformers").exists() and not REQUIRED,
+                        reason=f"transformers 4.x is not installed in {TRANSFORMERS4}")  # fmt: skip
+    def test_hf_trainer_transformers_4(self):
+        result = run("hf_trainer", pythonpath=str(TRANSFORMERS4), max_grad_norm=0.05)
+        assert_same_training(result)
+
+
+    @needs("transformers", "accelerate", "peft")
+    def test_peft_lora_under_hf_trainer(self):
+        """Only the adapters are trainable and given to the optimizer."""
+        assert_same_training(run("hf_trainer", max_grad_norm=0.05, peft=True))
+
+
+    @needs("transformers", "accelerate")
+    def test_hf_trainer_builds_the_class(self):
+        """HF Trainer builds accumkernels.AdamW from optimizer_cls_and_kwargs with its
+        own param groups (no decay on biases and norms), cosine schedule with
+        warm-up, clipping, bf16; resume_from_checkpoint mid-training equals the
+        straight run. Against Trainer's default AdamW through the same path."""
+        result = run("hf_trainer_class")
+        plain, ours = result["plain"], result["ours"]
+        assert ours["class"] == "AdamW" and ours["weight_decays"] == plain["weight_decays"] == [0.0, 0.1]
+        assert ours["lrs"] == plain["lrs"] and plain["lrs"][0] < plain["lrs"][1], "warm-up"
+        assert_same_training(result)
+        assert rel_diff(ours["resumed"], ours["params"]) <= 1e-6
+        assert rel_diff(plain["resumed"], plain["params"]) <= 1e-6
+
+
+    @needs("transformers", "accelerate")
+    def test_hf_trainer_on_two_processes(self, tmp_path):
+        ranks = launch("hf_trainer", tmp_path, max_grad_norm=0.05)
+        for r in ranks:
+            assert_same_training(r)
+        assert ranks[0]["ours"]["params"] == ranks[1]["ours"]["params"]

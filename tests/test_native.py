@@ -187,6 +187,15 @@ def test_more_than_2_31_elements(native_only):
     need = n * (4 + 2) + 2 * 2**30  # fp32 buffer + bf16 grad, then bf16 params in the grad's place
     if _available_memory() < need:
         pytest.skip(f"needs {need / 2**30:.1f} GiB of free memory; {_available_memory() / 2**30:.1f} GiB available")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)  # memory-bound: under pytest-xdist a worker has one thread
+    try:
+        _more_than_2_31_elements(n)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _more_than_2_31_elements(n: int) -> None:
     buffer = torch.zeros(n)
     grad = torch.ones(n, dtype=torch.bfloat16)
     tail = torch.arange(1, 65, dtype=torch.float32)

@@ -266,11 +266,15 @@ def test_stochastic_rounding_is_unbiased_and_deterministic(backend):
     # Unbiased: the mean error is tiny against one ulp; round to nearest loses the updates.
     bias = ((a.double() - exact) / ulp).mean().item()
     assert abs(bias) < 0.01, bias
-    # Round to nearest keeps most params where they were: the mean update is lost.
+    # Each param moves by its update on average (by one ulp with the probability
+    # |update| / ulp): the mean |move| is the mean |update|, to the noise of the
+    # ~30 000 params that move (a relative 0.6 %). Round to nearest loses more
+    # than half of it: updates below half an ulp do not move their param at all.
     nearest = [start.clone()]
     ak.sgd_step_and_zero_(nearest, [update.clone()], lr=1.0, backend=backend)
-    moved = (a.double() - start.double()).sum().item()
-    assert abs(moved + update.double().sum().item()) < 0.01 * update.double().abs().sum().item()
+    mean_update = update.double().abs().mean().item()
+    assert abs((a.double() - start.double()).abs().mean().item() / mean_update - 1) < 0.03
+    assert (nearest[0].double() - start.double()).abs().mean().item() < 0.6 * mean_update
 
 
 def test_stochastic_rounding_same_bits_in_every_backend(backend):

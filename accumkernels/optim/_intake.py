@@ -220,7 +220,8 @@ class HookIntake(Intake):
         self._markers[r.index] = (r.param, FoldedGrad(r.param, r.index))
         # The param's gradient accumulator, kept alive (torch holds it weakly):
         # tensor hooks also run in torch.autograd.grad(), which accumulates nothing.
-        self._accumulators[r.index] = r.param.view_as(r.param).grad_fn.next_functions[0][0]
+        with torch.enable_grad():  # (step() runs under no_grad, and unfrozen params are hooked there)
+            self._accumulators[r.index] = r.param.view_as(r.param).grad_fn.next_functions[0][0]
         return r.param.register_hook(hook)
 
     def _accumulating(self, r: ParamRecord) -> bool:
