@@ -57,7 +57,7 @@ python -c "import accumkernels as ak, accumkernels._native as n; print('backends
 if python -c "import pytest" 2>/dev/null; then
     step tests-gpu 180 python -m pytest -q -p no:cacheprovider -ra tests/test_cuda.py tests/test_triton.py
     step tests-on-gpu 180 python -m pytest -q -p no:cacheprovider -m "not slow" -k "cuda" \
-        tests/test_accumulate.py tests/test_steps.py tests/test_grad_norm.py tests/test_optimizer.py
+        tests/test_accumulate.py tests/test_steps.py tests/test_grad_norm.py tests/test_optimizer.py tests/test_optimizers.py
 else
     echo "tests: pytest is missing (make gpu-deps here, then carry .gpu-deps)" | tee -a "$OUT/summary.txt"
 fi
