@@ -346,11 +346,14 @@ def wire(cfg, rank, world):
     return {"flat": flat.clone(), "shards": shards}
 
 
-SCENARIOS = {"wire": wire, "parity": parity, "count": count, "inf_skip": inf_skip, "resume": resume, "ddp_taken_over": ddp_taken_over, "framework_loop": framework_loop,
-             "misuse": misuse, "modes_agree": modes_agree}
+SCENARIOS = {"wire": wire, "parity": parity, "count": count, "inf_skip": inf_skip, "resume": resume,
+             "ddp_taken_over": ddp_taken_over, "framework_loop": framework_loop, "misuse": misuse,
+             "modes_agree": modes_agree}
 
 
-def main(rank: int, world: int, init_file: str, out_dir: str, cases: dict) -> None:
+def run_cases(rank: int, world: int, init_file: str, out_dir: str, cases: dict, run_case) -> None:
+    """A spawned rank: join the gloo group, ``run_case(cfg, rank, world)`` for
+    each case (every rank in step), save this rank's results in ``out_dir``."""
     torch.set_num_threads(1)
     # A bounded timeout: a test that desynchronizes the ranks fails instead of hanging CI.
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -358,13 +361,20 @@ def main(rank: int, world: int, init_file: str, out_dir: str, cases: dict) -> No
     try:
         results = {}
         for key, cfg in cases.items():
-            cfg = dict(cfg)
-            if cfg.pop("with_scaler", False):
-                cfg["scaler"] = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
-            results[key] = SCENARIOS[cfg["scenario"]](cfg, rank, world)
+            results[key] = run_case(dict(cfg), rank, world)
             dist.barrier()
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()  # every rank past its last collective before any leaves
     finally:
         dist.destroy_process_group()
     exit_skipping_teardown(0)  # only on success: an exception above reaches mp.spawn
+
+
+def _run_case(cfg: dict, rank: int, world: int):
+    if cfg.pop("with_scaler", False):
+        cfg["scaler"] = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    return SCENARIOS[cfg["scenario"]](cfg, rank, world)
+
+
+def main(rank: int, world: int, init_file: str, out_dir: str, cases: dict) -> None:
+    run_cases(rank, world, init_file, out_dir, cases, _run_case)

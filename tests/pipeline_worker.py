@@ -10,16 +10,13 @@ batches with one plain AdamW step per window on the mean loss.
 
 from __future__ import annotations
 
-import datetime
-import os
-
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
 import accumkernels as ak
-from accumkernels.testing import exit_skipping_teardown
+from distributed_worker import run_cases
 
 WINDOWS, MICRO, BATCH = 3, 4, 16
 
@@ -141,17 +138,9 @@ def refusals(cfg, rank, world):
 SCENARIOS = {"pipeline_only": pipeline_only, "mesh_pp_dp": mesh_pp_dp, "refusals": refusals}
 
 
+def _run_case(cfg: dict, rank: int, world: int):
+    return SCENARIOS[cfg["scenario"]](cfg, rank, world)
+
+
 def main(rank: int, world: int, init_file: str, out_dir: str, cases: dict) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
-    try:
-        results = {}
-        for key, cfg in cases.items():
-            results[key] = SCENARIOS[cfg["scenario"]](cfg, rank, world)
-            dist.barrier()
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    exit_skipping_teardown(0)
+    run_cases(rank, world, init_file, out_dir, cases, _run_case)
