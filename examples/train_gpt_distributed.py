@@ -1,4 +1,4 @@
-"""Train the repo's GPT-style model on several processes with AccumulatingOptimizer.
+"""Train the repo's GPT-style model on several processes with accumkernels.AdamW.
 
     torchrun --nproc-per-node 2 examples/train_gpt_distributed.py              # gloo on the CPU
     torchrun --nproc-per-node 8 examples/train_gpt_distributed.py --sharded    # NCCL, one GPU each
@@ -88,11 +88,10 @@ def main() -> int:
         fully_shard(model, mesh=mesh, mp_policy=policy)
         options = {}
     else:
-        model = model.to(torch.bfloat16)
-        options = dict(master_weights=True, sharded=args.sharded,
-                       wire_dtype=torch.bfloat16 if args.bf16_wire else torch.float32)  # fmt: skip
-    opt = ak.AccumulatingOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1),
-                                   accum_steps=args.accum_steps, normalize="items", max_grad_norm=1.0, **options)  # fmt: skip
+        model = model.to(torch.bfloat16)  # the defaults: stochastic rounding, bf16 moments (10 bytes per param)
+        options = dict(sharded=args.sharded, wire_dtype=torch.bfloat16 if args.bf16_wire else torch.float32)
+    opt = ak.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, accum_steps=args.accum_steps, normalize="items",
+                   max_grad_norm=1.0, **options)  # fmt: skip
     chain = markov_chain()
     g = torch.Generator().manual_seed(1000 + rank)  # each rank its own micro-batches
     step = 0
