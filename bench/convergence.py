@@ -50,7 +50,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.nn import functional as F
 
 from . import common
 

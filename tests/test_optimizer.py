@@ -360,7 +360,7 @@ def test_remainders_are_fp32_master_weights_bit_for_bit(backend):
             F.mse_loss(model(x.bfloat16()).float(), y).backward()
             opt.step()
         runs[kind] = (model, opt)
-    (fp32_model, fp32_opt), (model, opt) = runs[True], runs["remainders"]
+    (_, fp32_opt), (_, opt) = runs[True], runs["remainders"]
     for r, r32 in zip(opt._layout, fp32_opt._layout):
         assert r.master.dtype == torch.int16 and r32.master.dtype == torch.float32
         joined = reference.join_remainder(r.param.detach(), r.master)

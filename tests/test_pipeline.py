@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import pipeline_worker as worker
-from test_distributed import BACKEND, rel_diff, spawn
+from test_distributed import rel_diff, spawn
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 pipelining = pytest.importorskip("torch.distributed.pipelining")
