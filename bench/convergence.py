@@ -31,7 +31,7 @@ gradient storage (``.grad`` or the wrapper's fp32 buffers), optimizer state
 ``python -m bench.convergence`` runs the default setting (3 seeds, 80
 windows, the main recipes at N = 8 and three at N = 32; about 5 minutes on 2
 cores); ``--full`` the longer one (3 seeds, 300 windows, every recipe at N = 8,
-five at N = 32 and 64; about 80 minutes on 2 cores, fp16 on the CPU is slow). It
+five at N = 32 and 64; about 75 minutes on 2 cores, fp16 on the CPU is slow). It
 prints a table (held-out loss mean and spread over seeds, difference to fp32,
 bytes/param, ms/window), writes convergence-<setting>.json and a PNG of the
 held-out loss curves and the final differences.

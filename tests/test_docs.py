@@ -123,3 +123,30 @@ def test_every_page_has_run_snippets():
         if FENCE.search(text):
             singles, multi = parse(page)
             assert singles or multi, f"{page.name}: no snippet runs"
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces to dashes."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_relative_link_resolves():
+    """Every link of the README and the docs to a file of the repository names a file
+    that exists, and its #anchor a heading of that page."""
+    broken = []
+    for page in PAGES:
+        for target in LINK.findall(page.read_text()):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                broken.append(f"{page.name}: {target} (no such file)")
+            elif anchor and file.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", file.read_text(), re.M)
+                if anchor not in {_anchor(h) for h in headings}:
+                    broken.append(f"{page.name}: {target} (no such heading)")
+    assert not broken, "broken links:\n" + "\n".join(broken)
