@@ -189,15 +189,27 @@ def test_parity_with_torch_optim(backend, kind, hyper):
         "max_exp_avg_sq": [torch.zeros(n) for n in sizes],
         "step": [torch.tensor(0.0) for _ in sizes],
     }
+    # Adam's L2 weight decay computes g = (-)grad + wd * p, rounded. Where that cancels to near
+    # zero, the step lr * g / (|g| + eps) (at the first step; m / (sqrt(v) + eps) later) has a
+    # slope of lr * eps / (|g| + eps)^2 in g, up to lr / eps: the last-bit rounding of g
+    # (2^-24 * wd * |p|, ~1e-9) then moves the step by up to a sizable fraction of lr, and two
+    # correct orders of rounding differ by that much. Such elements (|g| < 1e-5 at some step: a
+    # few per run) are held to lr, the size of a step; the rest to 2e-6.
+    ill_conditioned = [torch.zeros(n, dtype=torch.bool) for n in sizes]
     for step_index in range(5):
         grads = [torch.randn(n) for n in sizes]
-        for p, g in zip(params, grads):
+        for p, g, ill in zip(params, grads, ill_conditioned):
             p.grad = g.clone()
+            if kind == "adam" and hyper.get("weight_decay"):
+                decayed = (-g if hyper.get("maximize") else g) + hyper["weight_decay"] * p.detach()
+                ill |= decayed.abs() < 1e-5
         opt.step()
         buffers = [g.clone() for g in grads]
         _ours(kind, ours, buffers, state, step_index, hyper, backend)
         for i, p in enumerate(params):
-            torch.testing.assert_close(ours[i], p.detach(), rtol=2e-6, atol=2e-6)
+            ill = ill_conditioned[i]
+            torch.testing.assert_close(ours[i][~ill], p.detach()[~ill], rtol=2e-6, atol=2e-6)
+            torch.testing.assert_close(ours[i][ill], p.detach()[ill], rtol=0, atol=hyper["lr"])
             for key, value in opt.state[p].items():
                 if value is None:
                     continue
