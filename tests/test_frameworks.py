@@ -185,7 +185,6 @@ class TestHuggingFace:
             torch.testing.assert_close(torch.tensor(ours["grad_norms"]), torch.tensor(plain["grad_norms"]),
                                        rtol=summation_rtol(n), atol=0)  # fmt: skip
 
-
     @needs("accelerate")
     @pytest.mark.skipif(not (TRANSFORMERS4 / "transformers").exists() and not REQUIRED,
                         reason=f"transformers 4.x is not installed in {TRANSFORMERS4}")  # fmt: skip
@@ -193,12 +192,10 @@ class TestHuggingFace:
         result = run("hf_trainer", pythonpath=str(TRANSFORMERS4), max_grad_norm=0.05)
         assert_same_training(result)
 
-
     @needs("transformers", "accelerate", "peft")
     def test_peft_lora_under_hf_trainer(self):
         """Only the adapters are trainable and given to the optimizer."""
         assert_same_training(run("hf_trainer", max_grad_norm=0.05, peft=True))
-
 
     @needs("transformers", "accelerate")
     def test_hf_trainer_builds_the_class(self):
@@ -213,7 +210,6 @@ class TestHuggingFace:
         assert_same_training(result)
         assert rel_diff(ours["resumed"], ours["params"]) <= 1e-6
         assert rel_diff(plain["resumed"], plain["params"]) <= 1e-6
-
 
     @needs("transformers", "accelerate")
     def test_hf_trainer_on_two_processes(self, tmp_path):

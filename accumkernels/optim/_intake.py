@@ -3,10 +3,10 @@
 ``HookIntake`` ("hooks"): a hook per param takes its gradient as autograd
 computes it (a tensor hook on the param, run before autograd would add it into
 ``.grad``, and skipped in ``torch.autograd.grad()``, which accumulates nothing;
-FSDP2: a post-accumulate-grad hook, once FSDP2 handed the reduced shard over); when a bucket's gradients are all there, one ``accumulate_`` call
-folds them into the buffers (cast, loss-scale and inf check in the same pass; a
-param's first gradient of a window overwrites its buffer, so nothing is ever
-zeroed). At most a bucket's worth of gradients lives beside the buffers.
+FSDP2: a post-accumulate-grad hook, once FSDP2 handed the reduced shard over);
+when a bucket's gradients are all there, one ``accumulate_`` call folds them
+into the buffers (cast, loss-scale and inf check in the same pass; a param's
+first gradient of a window overwrites its buffer, so nothing is ever zeroed). At most a bucket's worth of gradients lives beside the buffers.
 ``.grad`` holds a ``FoldedGrad`` marker (accumkernels.optim._folded) that
 raises, naming what to use instead, wherever code tries to read it.
 
