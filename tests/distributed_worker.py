@@ -61,22 +61,29 @@ def make_optimizer(name: str, params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=ADAM_EPS)
 
 
-def reference(cfg, world: int) -> list[torch.Tensor]:
-    """One process, one big step per window on all ranks' micro-batches."""
+def reference(cfg, world: int, reverse: bool = False) -> list[torch.Tensor]:
+    """One process, one big step per window on all ranks' micro-batches
+    (``reverse``: the losses summed in the other order, for the reference's own
+    sensitivity to fp32 summation order)."""
     model = Net()
     opt = make_optimizer(cfg["optimizer"], model.parameters())
+    order = [(r, m) for r in range(world) for m in range(N_MICRO)]
     for w in range(WINDOWS):
         opt.zero_grad()
         total, items = 0.0, 0
-        for r in range(world):
-            for m in range(N_MICRO):
-                x, y = micro_batch(cfg["seed"], w, r, m, cfg.get("normalize") == "items")
-                if cfg.get("normalize") == "items":
-                    total = total + model.loss(x, y, r % 2 == 1, reduction="sum")
-                    items += y.numel()
-                else:
-                    total = total + model.loss(x, y, r % 2 == 1)
-        (total / (items if cfg.get("normalize") == "items" else world * N_MICRO)).backward()
+        for r, m in order[::-1] if reverse else order:
+            x, y = micro_batch(cfg["seed"], w, r, m, cfg.get("normalize") == "items")
+            if cfg.get("normalize") == "items":
+                total = total + model.loss(x, y, r % 2 == 1, reduction="sum")
+                items += y.numel()
+            else:
+                total = total + model.loss(x, y, r % 2 == 1)
+        # As the wrapper: the gradient of the losses' sum, times 1 / (items or
+        # micro-batches) in fp32 (dividing the loss instead rounds at every op
+        # of the backward, unless the divisor is a power of two).
+        total.backward()
+        divisor = items if cfg.get("normalize") == "items" else world * N_MICRO
+        torch._foreach_mul_([p.grad for p in model.parameters()], torch.tensor(1.0 / divisor, dtype=torch.float32))
         if cfg.get("clip"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
         opt.step()
@@ -139,6 +146,7 @@ def parity(cfg, rank, world):
     out = {"params": params_of(model), "buckets": len(opt._layout.buckets)}
     if rank == 0:
         out["reference"] = reference(cfg, world)
+        out["reference_reversed"] = reference(cfg, world, reverse=True)
     return out
 
 
@@ -231,6 +239,7 @@ def ddp_taken_over(cfg, rank, world):
         out[order] = {"params": params_of(model), "ddp_calls": calls[0]}
     if rank == 0:
         out["reference"] = reference(cfg, world)
+        out["reference_reversed"] = reference(cfg, world, reverse=True)
     return out
 
 
@@ -259,6 +268,7 @@ def framework_loop(cfg, rank, world):
     out = {"params": params_of(model), "ddp_calls": calls[0], "norms": norms, "intake": opt.intake}
     if rank == 0:
         out["reference"] = reference(cfg, world)
+        out["reference_reversed"] = reference(cfg, world, reverse=True)
         out["reference_norms"] = reference_norms(cfg, world)
     return out
 

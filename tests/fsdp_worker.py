@@ -69,19 +69,25 @@ def wrapped_model(cfg, mesh, **options):
     return model, opt
 
 
-def reference(cfg, world):
-    """One process, one big step per window on every rank's micro-batches."""
+def reference(cfg, world, reverse=False):
+    """One process, one big step per window on every rank's micro-batches
+    (``reverse``: the losses summed in the other order, for the reference's own
+    sensitivity to fp32 summation order)."""
     model = Net()
     opt = make_optimizer(model.parameters(), cfg.get("optimizer", "adamw"))
     items = cfg.get("normalize") == "items"
     for w in range(WINDOWS):
         opt.zero_grad()
         batches = [micro_batch(cfg["seed"], w, r, m, items) for r in range(world) for m in range(N_MICRO)]
+        batches = batches[::-1] if reverse else batches
         if items:
-            loss = sum(F.mse_loss(model(x), y, reduction="sum") for x, y in batches) / sum(y.numel() for _, y in batches)
-        else:
-            loss = sum(F.mse_loss(model(x), y) for x, y in batches) / len(batches)
-        loss.backward()
+            # As the wrapper: the sum-reduced losses' gradient, times 1 / items
+            # in fp32 (dividing the loss instead rounds at every backward op).
+            sum(F.mse_loss(model(x), y, reduction="sum") for x, y in batches).backward()
+            scale = torch.tensor(1.0 / sum(y.numel() for _, y in batches), dtype=torch.float32)
+            torch._foreach_mul_([p.grad for p in model.parameters()], scale)
+        else:  # len(batches) is a power of two: dividing the loss by it is exact
+            (sum(F.mse_loss(model(x), y) for x, y in batches) / len(batches)).backward()
         if cfg.get("clip"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
         opt.step()
@@ -115,6 +121,7 @@ def parity(cfg, rank, world, mesh):
     out = {"params": full_params(model)}
     if rank == 0:
         out["reference"] = reference(cfg, world)
+        out["reference_reversed"] = reference(cfg, world, reverse=True)
     return out
 
 

@@ -42,13 +42,18 @@ def make_inner(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-4)
 
 
-def reference(cfg, dp: int) -> list[torch.Tensor]:
+def reference(cfg, dp: int, reverse: bool = False) -> list[torch.Tensor]:
+    """One process, the whole batch (``reverse``: its rows in the other order,
+    for the reference's own sensitivity to fp32 summation order)."""
     model = full_model()
     opt = make_inner(model.parameters())
     for w in range(WINDOWS):
         opt.zero_grad()
         xs, ys = zip(*(batch(cfg["seed"], w, r) for r in range(dp)))
-        F.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
+        x, y = torch.cat(xs), torch.cat(ys)
+        if reverse:
+            x, y = x.flip(0), y.flip(0)
+        F.mse_loss(model(x), y).backward()
         opt.step()
     return [p.detach().clone() for p in model.parameters()]
 
@@ -100,6 +105,7 @@ def pipeline_only(cfg, rank, world):
     out = {"params": params, "world_size": opt.world_size}
     if rank == 0:
         out["reference"] = reference(cfg, 1)
+        out["reference_reversed"] = reference(cfg, 1, reverse=True)
     return out
 
 
@@ -116,6 +122,7 @@ def mesh_pp_dp(cfg, rank, world):
            "given_world_size": given_opt.world_size}  # fmt: skip
     if rank == 0:
         out["reference"] = reference(cfg, 2)
+        out["reference_reversed"] = reference(cfg, 2, reverse=True)
     return out
 
 

@@ -12,7 +12,8 @@ import pytest
 import torch.distributed as dist
 
 import fsdp_worker as worker
-from test_distributed import rel_diff, same, spawn
+from helpers import assert_within_summation_noise, rel_diff
+from test_distributed import same, spawn
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
@@ -57,9 +58,14 @@ def test_ranks_equal_one_process(runs, world, case):
     for r in results[1:]:
         assert same(r["params"], results[0]["params"]), "every rank holds the same full params"
     # bf16 compute (FSDP2's param_dtype, or bf16 params) changes the gradients
-    # themselves: a bf16-level agreement; fp32 compute agrees to fp32 rounding.
-    tol = 3e-2 if "compute" in case or "storage" in case else 1e-5
-    assert rel_diff(results[0]["params"], results[0]["reference"]) <= tol
+    # themselves: a bf16-level agreement (SGD, lr 0.1, 3 windows: a bf16 ulp,
+    # 2^-8, of the update's size relative to the params' is below 3e-2); fp32
+    # compute agrees to the fp32 reference's own summation-order noise.
+    if "compute" in case or "storage" in case:
+        assert rel_diff(results[0]["params"], results[0]["reference"]) <= 3e-2
+    else:
+        assert_within_summation_noise(results[0]["params"], results[0]["reference"],
+                                      results[0]["reference_reversed"], worker.WINDOWS)  # fmt: skip
 
 
 def test_bf16_shards_summed_in_fp32(runs):
