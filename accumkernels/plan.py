@@ -39,7 +39,11 @@ _UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 1
 
 
 def _mib(n: float) -> str:
-    return f"{n / 2**20:.1f} MiB"
+    """Bytes in the unit that shows them (a small model's shortfall is not '0.0 MiB')."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
 
 
 @dataclass
@@ -133,8 +137,22 @@ def static_bytes(optimizer: torch.optim.Optimizer, **wrapper_options) -> dict[st
 
 
 def _snapshot_state(model, optimizer):
+    """What the measuring passes may change: params, their .grad, module buffers
+    (BatchNorm's running statistics and counts), the optimizer's state."""
     params = list(model.parameters())
-    return ([p.detach().clone() for p in params], [p.grad for p in params], {k: dict(v) for k, v in optimizer.state.items()})
+    return ([p.detach().clone() for p in params], [p.grad for p in params],
+            {k: dict(v) for k, v in optimizer.state.items()}, [b.detach().clone() for b in model.buffers()])  # fmt: skip
+
+
+def _restore_state(model, optimizer, saved) -> None:
+    with torch.no_grad():
+        for p, value, grad in zip(model.parameters(), saved[0], saved[1]):
+            p.copy_(value)
+            p.grad = grad
+        for b, value in zip(model.buffers(), saved[3]):
+            b.copy_(value)
+    optimizer.state.clear()
+    optimizer.state.update(saved[2])
 
 
 def _measure(model, loss_fn, optimizer, sizes, device, wrapper_options) -> tuple[list[int], float]:
@@ -218,6 +236,15 @@ def plan_window(model: torch.nn.Module, loss_fn, *, global_batch: int, memory_bu
         wrapper_options: the AccumulatingOptimizer options to plan for
             (master_weights, stochastic_rounding, intake, sharded, ...).
     """
+    from .optim import AccumulatingOptimizer
+
+    if isinstance(optimizer, AccumulatingOptimizer):
+        raise TypeError(
+            f"plan_window plans for a torch.optim optimizer that is not wrapped yet, and got {type(optimizer).__name__} "
+            "(an accumkernels optimizer already holding the params): pass torch.optim."
+            f"{type(optimizer.optimizer).__name__}(...) with the same params, then build the accumkernels optimizer "
+            "with accum_steps=plan (and its wrapper options as planned)"
+        )
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"global_batch must be an int >= 1; got {global_batch!r}")
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -237,15 +264,13 @@ def plan_window(model: torch.nn.Module, loss_fn, *, global_batch: int, memory_bu
     if len(sizes) < 2 and global_batch > 1:
         sizes = sorted({1, min(2, global_batch)})
     saved = _snapshot_state(model, optimizer)
+    # The random numbers loss_fn and dropout draw come from a fork: the
+    # caller's generators are where they were.
     try:
-        measured, seconds = _measure(model, loss_fn, optimizer, sizes, device, wrapper_options)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            measured, seconds = _measure(model, loss_fn, optimizer, sizes, device, wrapper_options)
     finally:
-        with torch.no_grad():
-            for p, value, grad in zip(model.parameters(), saved[0], saved[1]):
-                p.copy_(value)
-                p.grad = grad
-        optimizer.state.clear()
-        optimizer.state.update(saved[2])
+        _restore_state(model, optimizer, saved)
     a, c, residual = _fit(sizes, measured) if len(sizes) > 1 else (measured[0], 0.0, 0.0)
 
     def peak(b: int) -> float:

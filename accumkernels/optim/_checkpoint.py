@@ -163,6 +163,10 @@ def load(wrapper, state_dict: dict) -> None:
         wrapper._layout.flat.zero_()
     if extra is not None:
         wrapper._window.load_state_dict(extra)
+        # Intake "hooks" overwrites a buffer at a param's first gradient of a
+        # window, so a checkpoint it saved may hold old sums where the window
+        # has none; intake "grad" shows every buffer as .grad and adds into it.
+        wrapper._layout.zero_views(r for r in wrapper._layout if r.index not in wrapper._window.touched)
     for r in wrapper._layout:  # master weights: the checkpoint's, or the (already loaded) params'
         if r.master is None:
             continue

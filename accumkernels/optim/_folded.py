@@ -50,6 +50,11 @@ class FoldedGrad(torch.Tensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
+    def __deepcopy__(self, memo):
+        # copy.deepcopy(model) copies .grad: the copy's gradient is in this
+        # wrapper's buffer, which a copied wrapper restores from its own state.
+        return None
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         target = args[0] if args else None

@@ -1,8 +1,9 @@
 """How gradients get into AccumulatingOptimizer's fp32 buffers. Two intakes:
 
 ``HookIntake`` ("hooks"): a hook per param takes its gradient as autograd
-computes it (a tensor hook on the param, run before autograd would add it into
-``.grad``, and skipped in ``torch.autograd.grad()``, which accumulates nothing;
+computes it (a pre-hook of the param's gradient accumulator, run after the
+param's own tensor hooks and before autograd would add it into ``.grad``; not
+run in ``torch.autograd.grad()``, which accumulates nothing;
 FSDP2: a post-accumulate-grad hook, once FSDP2 handed the reduced shard over);
 when a bucket's gradients are all there, one ``accumulate_`` call folds them
 into the buffers (cast, loss-scale and inf check in the same pass; a param's
@@ -165,16 +166,9 @@ class Intake:
         if self._watch_late_init:
             self._refuse_late_init()
         r = self.layout.records[index]
-        if not self._accumulating(r):
-            return
         self.arrivals[index] = self.arrivals.get(index, 0) + 1
         self._check_param(r)
         self._take(r, arg)
-
-    def _accumulating(self, r: ParamRecord) -> bool:
-        """Whether the gradient the hook got is one autograd accumulates into
-        ``.grad`` (always, for post-accumulate-grad hooks)."""
-        return True
 
     @property
     def check_inf(self) -> bool:
@@ -218,20 +212,15 @@ class HookIntake(Intake):
         if r.local_of is not None:  # FSDP2 assigns the reduced shard to .grad and runs these hooks itself
             return r.param.register_post_accumulate_grad_hook(hook)
         self._markers[r.index] = (r.param, FoldedGrad(r.param, r.index))
-        # The param's gradient accumulator, kept alive (torch holds it weakly):
-        # tensor hooks also run in torch.autograd.grad(), which accumulates nothing.
+        # A pre-hook of the param's gradient accumulator (kept alive: torch holds
+        # it weakly). Autograd runs it after every tensor hook on the param,
+        # whenever registered (a user's mask sees the gradient first, as in plain
+        # PyTorch), and only where it accumulates into .grad: never in
+        # torch.autograd.grad().
         with torch.enable_grad():  # (step() runs under no_grad, and unfrozen params are hooked there)
-            self._accumulators[r.index] = r.param.view_as(r.param).grad_fn.next_functions[0][0]
-        return r.param.register_hook(hook)
-
-    def _accumulating(self, r: ParamRecord) -> bool:
-        node = self._accumulators.get(r.index)
-        if node is None:
-            return True
-        try:
-            return torch._C._will_engine_execute_node(node)
-        except RuntimeError:  # torch refuses leaves while it runs autograd.grad(): nothing is accumulated then
-            return False
+            node = r.param.view_as(r.param).grad_fn.next_functions[0][0]
+        self._accumulators[r.index] = node
+        return node.register_prehook(lambda grads: hook(grads[0]))
 
     def _take(self, r: ParamRecord, arg) -> None:
         if r.local_of is not None:
@@ -247,6 +236,11 @@ class HookIntake(Intake):
                 "gradients only (intake='grad' adds sparse gradients into the dense buffer)"
             )
         self._check_shape(r, grad)
+        if grad.stride() != r.buffer.stride() and not (grad.is_contiguous() and r.buffer.is_contiguous()):
+            # Autograd hands a gradient over in the layout its last op made
+            # (a transposed matmul's, say), before AccumulateGrad would lay it
+            # out like the param: the fold takes it laid out like the buffer.
+            grad = torch.empty_like(r.buffer, dtype=grad.dtype).copy_(grad)
         bucket = r.bucket
         last = self.bucket_done is not None and self.last_micro_step()
         if last and self.bucket_done.launched(bucket):

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .._validation import is_dense
+
 ALIGN_ELEMENTS = 16  # 64 bytes of fp32
 
 
@@ -106,7 +108,9 @@ def collect_params(optimizer) -> tuple[list[torch.Tensor], list[int]]:
     for g, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
             if id(p) in seen:
-                raise ValueError(f"a param appears in more than one param group (again in group {g})")
+                # torch.optim warns of duplicates in a group (and will refuse them): it steps such a param twice.
+                raise ValueError(f"param group {g} lists a param that is already listed (in this group or an earlier "
+                                 "one): list each param once")  # fmt: skip
             if p.layout != torch.strided:
                 raise TypeError(f"param group {g} holds a {p.layout} param; only dense params are supported")
             seen.add(id(p))
@@ -166,9 +170,11 @@ class Layout:
 
     def view(self, r: ParamRecord) -> torch.Tensor:
         """A new view of ``r``'s slice of the flat buffer, laid out like the param
-        (dense in another memory order, e.g. channels_last: the same strides)."""
+        where the param is dense in some memory order (channels_last: the same
+        strides); contiguous for a param that is a non-dense view (a column
+        slice), whose strides would reach into the neighbours' slices."""
         t = r.local
-        if t.is_contiguous():
+        if t.is_contiguous() or not is_dense(t):
             return self.flat[r.offset : r.offset + t.numel()].view(t.shape)
         return self.flat.as_strided(t.shape, t.stride(), r.offset)
 

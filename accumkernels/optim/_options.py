@@ -4,16 +4,30 @@ leaves the optimizer and its params untouched."""
 
 from __future__ import annotations
 
+import inspect
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from .._validation import is_dense
 from . import _distributed, _fsdp, _pipeline
 from ._intake import INTAKES
 from ._layout import collect_params
 from ._update import MASTER_WEIGHTS, STATE_DTYPES, optimizer_kind
 from ._window import NORMALIZE
+
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _needs_closure(optimizer) -> bool:
+    """Whether the optimizer's step() takes a closure it cannot do without (LBFGS)."""
+    try:
+        closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 class Options(NamedTuple):
@@ -74,7 +88,30 @@ def check_options(optimizer, accum_steps, *, normalize, max_grad_norm, master_we
             "sharded=True needs intake='hooks': after a reduce-scatter each rank holds only its shard of the "
             "window's gradient, so .grad could not show it whole"
         )
+    if _needs_closure(optimizer):
+        raise TypeError(
+            f"{type(optimizer).__name__}.step() needs a closure that re-evaluates the loss (several forward and "
+            "backward passes per step), which a window of accumulated gradients cannot give it: use "
+            f"{type(optimizer).__name__} directly, without AccumulatingOptimizer"
+        )
     params, groups = collect_params(optimizer)
+    unsupported = [(i, p.dtype) for i, p in enumerate(params) if p.dtype not in SUPPORTED_DTYPES]
+    if unsupported:
+        i, dtype = unsupported[0]
+        raise TypeError(
+            f"param {i} is {dtype} ({len(unsupported)} params are neither float32, bfloat16 nor float16): "
+            "AccumulatingOptimizer sums gradients in float32 buffers, which would round float64 ones and cannot "
+            "hold complex ones. Train such params with torch.optim directly"
+        )
+    if stochastic_rounding and not any(p.dtype == torch.bfloat16 for p in params):
+        dtypes = sorted({str(p.dtype) for p in params})
+        raise ValueError(f"stochastic_rounding=True rounds bf16 params, and this optimizer has none (its params are "
+                         f"{', '.join(dtypes) or 'none'}): leave it None")  # fmt: skip
+    if sharded:
+        strided = [i for i, p in enumerate(params) if not is_dense(p)]
+        if strided:
+            raise ValueError(f"sharded=True splits params in memory order; params {strided[:5]} are non-dense views "
+                             "(e.g. a column slice): make them contiguous, or leave sharded=False")  # fmt: skip
     if master_weights == "remainders":
         fp16 = [i for i, p in enumerate(params) if p.dtype == torch.float16]
         if fp16:

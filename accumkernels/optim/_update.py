@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
+from .._validation import is_dense
 from ._fsdp import local_tensor
 from ._layout import Layout, ParamRecord
 
@@ -76,6 +77,18 @@ def _number(value):
 def clip_coefficient(max_norm: float, norm: torch.Tensor) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_'s coefficient: min(1, max_norm / (norm + 1e-6))."""
     return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
+def _dense(views: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What the kernels step: each param view, or a contiguous copy of one that
+    is a non-dense view (a column slice), which the kernels cannot walk."""
+    return [v if is_dense(v) else v.contiguous() for v in views]
+
+
+def _write_back(views: list[torch.Tensor], stepped: list[torch.Tensor]) -> None:
+    for view, dense in zip(views, stepped):
+        if dense is not view:
+            view.copy_(dense)
 
 
 class Updater:
@@ -170,8 +183,10 @@ class Updater:
         missing (or converted, if it is of another dtype, device or layout).
         For an FSDP2 param the state is a DTensor sharded like it (what
         torch.optim keeps, and what torch.distributed.checkpoint saves); the
-        kernels get its local shard."""
-        like = r.param_view()
+        kernels get its local shard. Its layout is the buffer's: the param's own,
+        or contiguous for a param that is a non-dense view (as torch.optim's
+        ``zeros_like(param, memory_format=torch.preserve_format)``)."""
+        like = r.buffer_view()
         dtype = r.precision.state_dtype
         state = self.optimizer.state[r.param]
         value = state.get(key)
@@ -211,13 +226,16 @@ class Updater:
             chosen = [r for r in subset if (r.index in first) == is_first]
             if not chosen:
                 continue
+            views = [r.param_view() for r in chosen]
+            stepped = _dense(views)
             ops.sgd_step_and_zero_(
-                [r.param_view() for r in chosen], [r.buffer_view() for r in chosen],
+                stepped, [r.buffer_view() for r in chosen],
                 [self._state_like(r, "momentum_buffer") for r in chosen] if momentum else None,
                 lr=_number(group["lr"]), momentum=momentum, dampening=group["dampening"],
                 weight_decay=group["weight_decay"], nesterov=group["nesterov"], is_first_step=is_first,
                 **self._common(group, chosen, grad_scale, found_inf, seed, zero_buffers),
             )  # fmt: skip
+            _write_back(views, stepped)
 
     def _adam(self, group, subset, grad_scale, found_inf, seed, zero_buffers) -> None:
         adamw = self.kind == "adamw" or group.get("decoupled_weight_decay", False)
@@ -231,23 +249,32 @@ class Updater:
                 state["step"] = step
             steps.append(step)
         fn = ops.adamw_step_and_zero_ if adamw else ops.adam_step_and_zero_
+        views = [r.param_view() for r in subset]
+        stepped = _dense(views)
         fn(
-            [r.param_view() for r in subset], [r.buffer_view() for r in subset],
+            stepped, [r.buffer_view() for r in subset],
             [self._state_like(r, "exp_avg") for r in subset], [self._state_like(r, "exp_avg_sq") for r in subset],
             steps, max_exp_avg_sqs=[self._state_like(r, "max_exp_avg_sq") for r in subset] if amsgrad else None,
             lr=_number(group["lr"]), betas=tuple(_number(b) for b in group["betas"]), eps=group["eps"],
             weight_decay=group["weight_decay"], amsgrad=amsgrad,
             **self._common(group, subset, grad_scale, found_inf, seed, zero_buffers),
         )  # fmt: skip
+        _write_back(views, stepped)
 
     def _fallback(self, records, grad_scale, found_inf, intake) -> None:
         """Any other optimizer: hand it the window's gradient as .grad and let it
-        step. The inf/NaN skip needs one host sync here."""
+        step; the other params hold None meanwhile, so it skips them as
+        torch.optim skips a param without gradient. The inf/NaN skip needs one
+        host sync here."""
         if found_inf is None or not bool(found_inf.item()):
+            stepped = {r.index for r in records}
+            others = [r for r in self.layout if r.index not in stepped and r.param.grad is not None]
             for r in records:
                 intake.set_grad(r, (r.buffer * grad_scale).to(r.param.dtype))
+            for r in others:
+                r.param.grad = None
             self.optimizer.step()
-            for r in records:
+            for r in (*records, *others):
                 intake.set_grad(r, None)
         if intake.zero_buffers_at_step:
             self.layout.zero_views(records)

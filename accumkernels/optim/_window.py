@@ -14,6 +14,9 @@ The window's gradient of a param is ``grad_scale * buffer`` with::
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 NORMALIZE = ("mean", "sum", "items")
@@ -51,6 +54,12 @@ class Window:
         self.sync_intent: bool | None = None
         self.found_inf = torch.zeros(1, device=device)  # any inf/NaN in the window so far
         self.step_found_inf = torch.zeros(1, device=device)  # ... in the current micro-step
+        # torch.optim steps every param whose .grad is a tensor, zeros included:
+        # after zero_grad(set_to_none=False) the params that had a gradient keep a
+        # zero one (and are stepped: momentum, weight decay) until zero_grad()
+        # sets them to None.
+        self.had_grad: set[int] = set()  # params with a gradient since the last zero_grad(set_to_none=True)
+        self.zero_grads: set[int] = set()  # params whose .grad plain PyTorch would hold as zeros
         self.clear()
 
     def clear(self) -> None:
@@ -62,26 +71,50 @@ class Window:
         self.clip_coef: torch.Tensor | None = None
         self.divisor = 1.0  # A above: set when a reduction averages the buffers over ranks
 
+    def stepped_params(self) -> set[int]:
+        """The params the window's step updates: those with a gradient, and
+        those whose gradient zero_grad(set_to_none=False) kept as zeros."""
+        return self.touched | self.zero_grads
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """Record a zero_grad() call, in torch.optim's meaning."""
+        if set_to_none:
+            self.had_grad.clear()
+            self.zero_grads.clear()
+        else:
+            self.zero_grads = self.had_grad | self.touched | self.zero_grads
+
     def window_seed(self) -> int:
         """The stochastic rounding seed of the current window: a new one every
         window, a function of the run's seed."""
         return (self.seed * 0x9E3779B1 + self.windows * 0x85EBCA77 + 0x165667B1) % 2**32
 
-    def count_items(self, num_items) -> None:
+    def count_items(self, num_items, ends_window: bool) -> None:
         if self.normalize != "items":
             if num_items is not None:
                 raise ValueError(f"num_items is only used with normalize='items' (this wrapper has {self.normalize!r})")
             return
         if num_items is None:
             raise ValueError("normalize='items' needs step(num_items=n) on every micro-step")
+        # A micro-batch may count 0 items (no target tokens in it); the
+        # window's total must be > 0, which normalization() checks.
         if isinstance(num_items, torch.Tensor):
-            if num_items.numel() != 1:
-                raise ValueError(f"num_items must have 1 element; got {num_items.numel()}")
-            self.items = self.items + num_items.reshape(()).to(self.device, torch.float32)
+            if num_items.numel() != 1 or num_items.dtype == torch.bool or num_items.is_complex():
+                raise ValueError(f"num_items must be a 1-element real tensor; got {num_items.numel()} elements of "
+                                 f"{num_items.dtype}")  # fmt: skip
+            items = num_items.reshape(()).to(self.device, torch.float32)
+            # On the device, without a host sync (on the CPU it raises here).
+            torch._assert_async(items >= 0, "num_items must be >= 0 (a count of items)")
+            self.items = self.items + items
         else:
-            if isinstance(num_items, bool) or not isinstance(num_items, (int, float)) or not num_items > 0:
-                raise ValueError(f"num_items must be > 0; got {num_items!r}")
-            self.items = self.items + float(num_items)
+            if isinstance(num_items, bool) or not isinstance(num_items, numbers.Real) or not 0 <= num_items < math.inf:
+                raise ValueError(f"num_items must be a number >= 0 (this micro-batch's items) or a 1-element tensor; "
+                                 f"got {num_items!r}")  # fmt: skip
+            total = self.items + float(num_items)
+            if ends_window and not isinstance(total, torch.Tensor) and total <= 0:
+                raise ValueError(f"num_items: the window ends with this step() and counted no items in all "
+                                 f"({self.micro_steps + 1} micro-steps): a window needs num_items > 0 in all")  # fmt: skip
+            self.items = total
 
     def normalization(self, pending: bool = False):
         """A / D of the module docstring for this rank's window so far (``pending``:
@@ -129,11 +162,14 @@ class Window:
             "windows": self.windows,
             "seed": self.seed,
             "divisor": self.divisor,
+            "had_grad": sorted(self.had_grad),
+            "zero_grads": sorted(self.zero_grads),
         }
 
     def check_state_dict(self, saved: dict, param_count: int) -> None:
         """Raises if ``saved`` cannot be loaded; loads nothing."""
-        bad = [i for i in saved["touched"] if not (isinstance(i, int) and 0 <= i < param_count)]
+        indices = [*saved["touched"], *saved.get("had_grad", ()), *saved.get("zero_grads", ())]
+        bad = [i for i in indices if not (isinstance(i, int) and 0 <= i < param_count)]
         if bad:
             raise ValueError(f"checkpoint window names params {bad[:5]} of {param_count}; it is of another model")
         for key in ("window_found_inf", "step_found_inf"):
@@ -153,4 +189,6 @@ class Window:
         self.windows = saved.get("windows", 0)
         self.seed = saved.get("seed", self.seed)
         self.divisor = saved.get("divisor", 1.0)
+        self.had_grad = set(saved.get("had_grad", ()))
+        self.zero_grads = set(saved.get("zero_grads", ()))
         self.grads_since_step = False

@@ -120,6 +120,12 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                           state_dtype=state_dtype, seed=seed, intake=intake, bucket_cap_mb=bucket_cap_mb,
                           process_group=process_group, sharded=sharded, wire_dtype=wire_dtype)  # fmt: skip
         accum_steps, intake, params, mesh = o.accum_steps, o.intake, o.params, o.mesh
+        # What a copy (copy.deepcopy, pickle) is rebuilt from: see __getstate__.
+        self._arguments = dict(accum_steps=accum_steps, normalize=normalize, max_grad_norm=max_grad_norm,
+                               master_weights=master_weights, stochastic_rounding=stochastic_rounding,
+                               state_dtype=state_dtype, seed=seed, grad_scaler=grad_scaler,
+                               skip_nonfinite=skip_nonfinite, intake=intake, bucket_cap_mb=bucket_cap_mb,
+                               backend=backend, process_group=process_group, sharded=sharded, wire_dtype=wire_dtype)  # fmt: skip
         # torch.optim.Optimizer's machinery (hooks, step patching), sharing the
         # wrapped optimizer's param_groups and state rather than copying them.
         self.optimizer = optimizer
@@ -178,14 +184,21 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 f"normalize={self.normalize!r}, max_grad_norm={self.max_grad_norm}, intake={self.intake!r})")  # fmt: skip
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise RuntimeError("AccumulatingOptimizer owns buffers for the params it was built with: add every param "
-                           "group to the optimizer before wrapping it")  # fmt: skip
+        if type(self) is AccumulatingOptimizer:
+            what = "add every param group to the optimizer before wrapping it"
+        else:
+            what = f"pass every param group when building {type(self).__name__} (params=[{{...}}, {{...}}])"
+        raise RuntimeError(f"{type(self).__name__} holds fp32 buffers laid out for the params it was built with: "
+                           f"{what}")  # fmt: skip
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Intake "hooks": harmless (gradients are folded as they arrive, the
-        window goes on; ``set_to_none`` has nothing to act on). Intake "grad":
-        as in plain PyTorch, gradients no ``step()`` took yet are discarded
-        (none, right after a step)."""
+        window goes on). Intake "grad": as in plain PyTorch, gradients no
+        ``step()`` took yet are discarded (none, right after a step).
+        ``set_to_none=False`` has torch.optim's meaning in both: the params that
+        had a gradient keep a zero one, and the following windows step them
+        (momentum and weight decay go on) until ``zero_grad()`` sets it to None."""
+        self._window.zero_grad(set_to_none)
         self._intake.zero_grad()
 
     @torch.no_grad()
@@ -214,8 +227,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                                "edited); add every param group before wrapping it")  # fmt: skip
         self._refuse_several_backwards()
         window = self._window
-        window.count_items(num_items)
         ends_window = self.accum_steps is None or window.micro_steps + 1 >= self.accum_steps
+        window.count_items(num_items, ends_window)
         _amp.meet_driver(self, intake=self._intake, loss_scale=self._loss_scale, ends_window=ends_window,
                          device=self.device)  # fmt: skip
         self._intake.refresh()
@@ -327,6 +340,22 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         _checkpoint.load(self, state_dict)
         self._intake.flush()
 
+    # ---- copies -------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        """copy.deepcopy and pickle, as for torch.optim: the copy is rebuilt over
+        the copied optimizer (and so over the copied params, when the model is
+        copied with it) with the same arguments, then given this window's state
+        (buffers, counts, master weights, seed): it trains on as this one would."""
+        if self.world_size > 1 or self._arguments["process_group"] is not None:
+            raise TypeError("a distributed AccumulatingOptimizer cannot be copied or pickled (it holds a process "
+                            "group): save opt.state_dict() on every rank and load it into a new one")  # fmt: skip
+        return {"optimizer": self.optimizer, "arguments": self._arguments, "window": self.state_dict()["accumkernels"]}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        AccumulatingOptimizer.__init__(self, state["optimizer"], **state["arguments"])
+        self.load_state_dict({**self.optimizer.state_dict(), "accumkernels": state["window"]})
+
     # ---- internals -----------------------------------------------------------
 
     @property
@@ -361,7 +390,12 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             grad_scale = window.global_normalization(items, micro_steps)
         else:
             found_inf, grad_scale = window.found_inf, window.normalization()
-        records = self._layout.records_of(window.touched)
+        # Params whose .grad zero_grad(set_to_none=False) kept as zeros are
+        # stepped too, with a zero gradient (intake "hooks" overwrites a buffer
+        # at its first gradient, so an untouched one may hold an old sum).
+        self._layout.zero_views(self._layout.records_of(window.zero_grads - window.touched))
+        records = self._layout.records_of(window.stepped_params())
+        window.had_grad |= window.touched
         if self.max_grad_norm is not None:
             window.last_grad_norm = self._updater.norm(records, grad_scale)
             window.combine_clip(clip_coefficient(self.max_grad_norm, window.last_grad_norm))

@@ -1,0 +1,308 @@
+"""Where torch.optim defines a behaviour, ours is the same or refused up front:
+misuse and edge cases against plain torch.optim on the same params and data.
+
+Non-dense view params, params left without a gradient (fused and fallback
+optimizers, both intakes), ``zero_grad(set_to_none=False)``, gradient hooks a
+user registers after building the optimizer, checkpoints moved between
+intakes, copies (deepcopy, pickle), the planner's side effects, and what is
+refused at construction (float64 and complex params, closure optimizers) or
+at the call (``num_items``), with the message naming what to do.
+
+Bounds: both runs see the same gradients (the wrapper's fp32 sum of
+micro-batches is bitwise torch's loss / 2 accumulation, see
+test_optimizer.classic_loop_run), so a fallback optimizer (torch's own code on
+the same inputs) is bitwise equal, and the fused step differs from torch's by
+the order of its fp32 operations: at most STEP_ULPS ulps of the tensor's
+largest value per step.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import accumkernels as ak
+
+STEPS = 4
+STEP_ULPS = 8
+EPS32 = torch.finfo(torch.float32).eps
+FUSED = {"AdamW": dict(lr=1e-2, weight_decay=0.1), "SGD": dict(lr=0.1, momentum=0.9, weight_decay=0.01)}
+FALLBACKS = {
+    "RMSprop": lambda p: torch.optim.RMSprop(p, lr=1e-2, weight_decay=0.1, momentum=0.5),
+    "NAdam": lambda p: torch.optim.NAdam(p, lr=1e-2, weight_decay=0.1),
+    "Adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-2, weight_decay=0.1),
+    "Adamax": lambda p: torch.optim.Adamax(p, lr=1e-2, weight_decay=0.1),
+}
+# (accum_steps, micro-batches per window): the classes' default (every step()
+# ends a window; intake "grad") and a counted window (intake "hooks").
+WINDOWS = {"grad": (None, 2), "hooks": (2, 2)}
+
+
+def _params(generator):
+    """A column slice (non-dense view), torch's randn(10, 5, 2)[..., 0], a
+    transposed (dense, non-contiguous) param and a plain one."""
+    return [
+        torch.randn(4, 6, generator=generator)[:, :3].requires_grad_(),
+        torch.randn(10, 5, 2, generator=generator)[..., 0].requires_grad_(),
+        torch.randn(3, 10, generator=generator).t().requires_grad_(),
+        torch.randn(3, generator=generator).requires_grad_(),
+    ]
+
+
+def _loss(params, x, uses_all=True):
+    a, b, c, d = params
+    h = torch.tanh(torch.tanh(x @ b.t()) @ c + d)  # (n, 10) -> (n, 3)
+    out = (h @ a.t()).pow(2).mean()
+    return out if uses_all else (torch.tanh(x @ b.t()).pow(2).mean())
+
+
+def _run(make, intake=None, *, zero_grad_none=True, unused_from=None, hook=None, steps=STEPS):
+    """Trains the four params; from window ``unused_from`` on only ``b`` gets a
+    gradient. ``make=None``: plain torch (loss / micro-batches into .grad)."""
+    gen = torch.Generator().manual_seed(0)
+    params = _params(gen)
+    plain = intake is None
+    opt = make(params) if plain else make(params, WINDOWS[intake][0])
+    if hook is not None:
+        hook(params)
+    micro = 2
+    for w in range(steps):
+        for _ in range(micro):
+            loss = _loss(params, torch.randn(3, 5, generator=gen), unused_from is None or w < unused_from)
+            if plain or WINDOWS[intake][0] is None:
+                (loss / micro).backward()
+            else:
+                loss.backward()
+                opt.step()
+        if plain or WINDOWS[intake][0] is None:
+            opt.step()
+        opt.zero_grad(set_to_none=zero_grad_none)
+    return params, opt
+
+
+def _assert_fused_close(ours, plain, steps=STEPS):
+    for i, (a, b) in enumerate(zip(ours, plain)):
+        bound = STEP_ULPS * steps * EPS32 * b.detach().abs().max()
+        err = (a.detach() - b.detach()).abs().max()
+        assert err <= bound, f"param {i}: {err.item():.3g} > {bound.item():.3g}"
+
+
+def _assert_equal(ours, plain):
+    for i, (a, b) in enumerate(zip(ours, plain)):
+        assert torch.equal(a, b), f"param {i} differs by {(a - b).abs().max().item():.3g}"
+
+
+def _fused(name):
+    return lambda params, accum=None: getattr(ak, name)(params, accum_steps=accum, **FUSED[name])
+
+
+def _torch(name):
+    return lambda params: getattr(torch.optim, name)(params, **FUSED[name])
+
+
+def _wrapped(name):
+    return lambda params, accum=None: ak.AccumulatingOptimizer(FALLBACKS[name](params), accum_steps=accum)
+
+
+@pytest.mark.parametrize("intake", list(WINDOWS))
+@pytest.mark.parametrize("name", list(FUSED))
+def test_non_dense_view_params_train_as_torch(name, intake):
+    ours, _ = _run(_fused(name), intake)
+    plain, _ = _run(_torch(name))
+    _assert_fused_close(ours, plain)
+
+
+@pytest.mark.parametrize("intake", list(WINDOWS))
+@pytest.mark.parametrize("name", list(FALLBACKS))
+def test_non_dense_view_params_through_the_fallback(name, intake):
+    ours, _ = _run(_wrapped(name), intake)
+    plain, _ = _run(FALLBACKS[name])
+    _assert_equal(ours, plain)
+
+
+def test_a_non_dense_view_keeps_its_neighbours_gradient():
+    """Intake "grad": each view's .grad is its own (no overlap in the buffer), and
+    torch's clip_grad_norm_ reads the whole gradient's norm."""
+    ours, plain = _params(torch.Generator().manual_seed(1)), _params(torch.Generator().manual_seed(1))
+    opt = ak.SGD(ours, lr=0.1)
+    x = torch.randn(3, 5, generator=torch.Generator().manual_seed(2))
+    _loss(ours, x).backward()
+    _loss(plain, x).backward()
+    for a, b in zip(ours, plain):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+    norms = [torch.nn.utils.clip_grad_norm_(ps, 1e9) for ps in (ours, plain)]
+    torch.testing.assert_close(norms[0], norms[1], rtol=4 * 4 * EPS32, atol=0)  # 4 partial sums rounded
+    opt.step()
+
+
+@pytest.mark.parametrize("intake", list(WINDOWS))
+@pytest.mark.parametrize("name", list(FALLBACKS))
+def test_fallback_skips_params_without_gradient(name, intake):
+    """torch skips a param whose .grad is None (no momentum, no weight decay)."""
+    ours, _ = _run(_wrapped(name), intake, unused_from=2)
+    plain, _ = _run(FALLBACKS[name], unused_from=2)
+    _assert_equal(ours, plain)
+
+
+@pytest.mark.parametrize("intake", list(WINDOWS))
+@pytest.mark.parametrize("name", list(FUSED))
+def test_fused_skips_params_without_gradient(name, intake):
+    ours, _ = _run(_fused(name), intake, unused_from=2)
+    plain, _ = _run(_torch(name), unused_from=2)
+    _assert_fused_close(ours, plain)
+
+
+@pytest.mark.parametrize("intake", list(WINDOWS))
+@pytest.mark.parametrize("name", [*FUSED, *FALLBACKS])
+def test_zero_grad_keeping_zeros_steps_those_params(name, intake):
+    """zero_grad(set_to_none=False): torch keeps zero .grad tensors and steps
+    those params (momentum and decoupled weight decay move them on)."""
+    make, plain_make = (_fused(name), _torch(name)) if name in FUSED else (_wrapped(name), FALLBACKS[name])
+    ours, _ = _run(make, intake, zero_grad_none=False, unused_from=2)
+    plain, _ = _run(plain_make, zero_grad_none=False, unused_from=2)
+    (_assert_fused_close if name in FUSED else _assert_equal)(ours, plain)
+    moved_late = _run(plain_make, zero_grad_none=True, unused_from=2)[0]
+    assert not torch.equal(plain[0], moved_late[0]), "the case must tell the two modes apart"
+
+
+def _mask_rows(params):
+    mask = torch.tensor([[1.0], [0.0], [1.0], [0.0]])
+    params[0].register_hook(lambda g: g * mask)
+
+
+@pytest.mark.parametrize("intake", list(WINDOWS))
+def test_gradient_hook_registered_after_the_optimizer(intake):
+    """A user's tensor hook on a param, registered after building the optimizer
+    (masking rows), acts on what the optimizer gets, as in plain PyTorch."""
+    ours, _ = _run(lambda p, accum=None: ak.SGD(p, lr=0.1, accum_steps=accum), intake, hook=_mask_rows)
+    plain, _ = _run(lambda p: torch.optim.SGD(p, lr=0.1), hook=_mask_rows)
+    start = _params(torch.Generator().manual_seed(0))[0]
+    assert torch.equal(ours[0][1::2], start[1::2]), "masked rows stay put"
+    _assert_fused_close(ours, plain)
+
+
+def _fresh(intake, seed_model=0):
+    torch.manual_seed(seed_model)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = ak.AdamW(model.parameters(), lr=1e-2, accum_steps=2, intake=intake)
+    return model, opt
+
+
+def _micro(model, opt, gen, n=1, only_first=False):
+    for _ in range(n):
+        x = torch.randn(4, 5, generator=gen)
+        out = model[0](x).sum() if only_first else model(x).pow(2).sum()
+        out.backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("saved,loaded", [("hooks", "grad"), ("grad", "hooks")])
+def test_checkpoint_mid_window_moves_between_intakes(saved, loaded):
+    """Saved mid-window by one intake, resumed by the other: the run goes on as
+    the straight one (a param with no gradient in the window has none after
+    loading, whatever the saving intake's buffers held)."""
+    straight, straight_opt = _fresh(saved)
+    gen = torch.Generator().manual_seed(2)
+    _micro(straight, straight_opt, gen, 2)  # window 1: every param
+    _micro(straight, straight_opt, gen, 1, only_first=True)  # window 2 starts: only the first layer
+    blob = io.BytesIO()
+    torch.save({"model": straight.state_dict(), "opt": straight_opt.state_dict()}, blob)
+    state = gen.get_state()
+    _micro(straight, straight_opt, gen, 3)
+
+    resumed, resumed_opt = _fresh(loaded, seed_model=1)
+    blob.seek(0)
+    saved_state = torch.load(blob, weights_only=False)
+    resumed.load_state_dict(saved_state["model"])
+    resumed_opt.load_state_dict(saved_state["opt"])
+    for p in resumed.parameters():
+        assert resumed_opt.accumulated_grad(p).abs().sum() == 0 or p is resumed[0].weight or p is resumed[0].bias
+    gen.set_state(state)
+    _micro(resumed, resumed_opt, gen, 3)
+    _assert_equal(list(resumed.parameters()), list(straight.parameters()))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("intake", list(WINDOWS))
+def test_copies_train_on(how, intake):
+    """copy.deepcopy((model, opt)) and a pickle round trip mid-window: the copy
+    trains on exactly as the original (torch's copies do)."""
+    model, opt = _fresh(intake)
+    gen = torch.Generator().manual_seed(3)
+    _micro(model, opt, gen, 3)
+    pair = copy.deepcopy((model, opt)) if how == "deepcopy" else pickle.loads(pickle.dumps((model, opt)))
+    state = gen.get_state()
+    _micro(model, opt, gen, 3)
+    gen.set_state(state)
+    _micro(*pair, gen, 3)
+    _assert_equal(list(pair[0].parameters()), list(model.parameters()))
+    assert pair[1].micro_steps == opt.micro_steps and pair[1].accum_steps == opt.accum_steps
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex64])
+def test_float64_and_complex_params_are_refused_at_construction(dtype):
+    good, bad = torch.zeros(3, requires_grad=True), torch.zeros(3, dtype=dtype, requires_grad=True)
+    with pytest.raises(TypeError, match=f"param 1 is {dtype}.*torch.optim directly"):
+        ak.AdamW([{"params": [good]}, {"params": [bad]}])
+
+
+def test_closure_optimizers_are_refused_at_construction():
+    with pytest.raises(TypeError, match="LBFGS.step\\(\\) needs a closure.*use LBFGS directly"):
+        ak.AccumulatingOptimizer(torch.optim.LBFGS([torch.zeros(3, requires_grad=True)]))
+
+
+def test_num_items_takes_numbers_and_refuses_negative_counts():
+    p = torch.zeros(3, requires_grad=True)
+    opt = ak.SGD([p], lr=0.1, normalize="items", accum_steps=3)
+    for n in (np.int64(2), 0, np.float32(1.5)):  # 0: a micro-batch without target tokens
+        (p * 2).sum().backward()
+        opt.step(num_items=n)
+    assert opt.window_stepped
+    torch.testing.assert_close(p.detach(), torch.full((3,), -0.1 * 6 / 3.5))
+    (p * 2).sum().backward()
+    for bad in (-1, float("nan"), torch.tensor(-1.0), True, torch.tensor([1.0, 2.0])):
+        with pytest.raises((ValueError, RuntimeError), match="num_items"):
+            opt.step(num_items=bad)
+    assert opt.micro_steps == 0
+    opt.step(num_items=1)  # the refused calls changed nothing
+    assert opt.micro_steps == 1
+    single = ak.SGD([torch.zeros(3, requires_grad=True)], lr=0.1, normalize="items")
+    single.param_groups[0]["params"][0].sum().backward()
+    with pytest.raises(ValueError, match="no items in all"):
+        single.step(num_items=0)
+    assert single.micro_steps == 0
+
+
+def test_plan_window_leaves_the_model_as_it_was():
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Dropout(0.1), nn.Linear(16, 2))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    opt = torch.optim.AdamW(model.parameters())
+    ak.plan_window(model, lambda m, b: m(torch.randn(b, 6)).pow(2).mean(), global_batch=16, memory_budget="1GiB",
+                   optimizer=opt)  # fmt: skip
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), [k for k in before if not torch.equal(before[k], after[k])]
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in model.parameters()) and not opt.state
+
+
+def test_messages_name_what_to_do():
+    model = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="pass torch.optim.AdamW"):
+        ak.plan_window(model, lambda m, b: m(torch.randn(b, 2)).sum(), global_batch=4, memory_budget="1GiB",
+                       optimizer=ak.AdamW(nn.Linear(2, 2).parameters()))  # fmt: skip
+    with pytest.raises(ValueError, match=r"\d+ B short"):
+        ak.plan_window(model, lambda m, b: m(torch.randn(b, 2)).sum(), global_batch=4, memory_budget=100,
+                       optimizer=torch.optim.AdamW(model.parameters()))  # fmt: skip
+    with pytest.raises(RuntimeError, match="pass every param group when building AdamW"):
+        ak.AdamW(nn.Linear(2, 2).parameters()).add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
+    with pytest.raises(ValueError, match="stochastic_rounding=True rounds bf16 params.*torch.float16"):
+        ak.AdamW(nn.Linear(2, 2).half().parameters(), stochastic_rounding=True)
