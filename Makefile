@@ -2,7 +2,7 @@
 # machine: they create .venv, install torch and the build tools, build the
 # extension in place (pip install --no-build-isolation -e .) and run.
 #
-#   make test                 # the whole test suite (CI runs this)
+#   make test                 # the test suite but its slow tests (CI runs this, then make test-slow and sweep)
 #   make bench                # the benchmark suite on the best device present
 #
 # The default torch is 2.14.1, a CUDA 13.0 build: with a CUDA toolkit present
@@ -20,13 +20,13 @@ TRANSFORMERS4 ?= transformers==4.57.6
 PY     := $(VENV)/bin/python
 NATIVE_SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
 
-.PHONY: test bench build clean gpu-deps
+.PHONY: test test-slow sweep bench build clean gpu-deps
 
 $(VENV)/.deps:
 	@echo "== setting up $(VENV): $(TORCH) (a CUDA build is ~5.5 GB), ninja, pytest, pytest-xdist, numpy, matplotlib; 1-3 minutes"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH)" ninja pytest pytest-xdist numpy matplotlib "setuptools>=77" wheel
+	$(PY) -m pip install --quiet "$(TORCH)" ninja pytest pytest-xdist expecttest numpy matplotlib "setuptools>=77" wheel
 	if $(PY) -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)"; then \
 		$(PY) -m pip install --quiet cuda-bindings; fi
 	@echo "== test frameworks: $(FRAMEWORKS), and $(TRANSFORMERS4) in $(VENV)/transformers4"
@@ -43,8 +43,20 @@ build: $(VENV)/.built
 
 # Two pytest-xdist workers, one thread each (tests/conftest.py), a module (or
 # class) at a time: a module that spawns ranks for its tests does so once.
+# make test runs every test but those marked slow (pyproject.toml says which);
+# make test-slow runs those, and CI runs both, then the seed sweep.
+PYTEST := ACCUMKERNELS_REQUIRE_FRAMEWORKS=1 $(PY) -m pytest -ra -n 2 --dist loadscope
+SEEDS  ?= 10
+
 test: build
-	ACCUMKERNELS_REQUIRE_FRAMEWORKS=1 $(PY) -m pytest -ra -n 2 --dist loadscope
+	$(PYTEST) -m "not slow"
+
+test-slow: build
+	$(PYTEST) -m slow
+
+# The numeric tests at $(SEEDS) fresh seeds (reference and CPU backends): every bound must hold at every seed.
+sweep: build
+	ACCUMKERNELS_TEST_BACKENDS=reference,cpu $(PY) tests/seed_sweep.py --seeds $(SEEDS)
 
 # The convergence benchmark's peers (bench/convergence.py), installed for make bench only.
 PEERS ?= torchao==0.18.0 bitsandbytes

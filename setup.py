@@ -6,6 +6,8 @@
 - The CUDA sources (csrc/cuda/*.cu) are built when torch is a CUDA build and a
   CUDA toolkit is found (see _cuda_home). TORCH_CUDA_ARCH_LIST overrides the
   default architectures (8.0 and 9.0 plus PTX).
+- ACCUMKERNELS_SKIP_CUDA=1 builds the CPU kernels only, toolkit or not (a
+  CPU wheel; CI's check of the installed package uses one).
 - ACCUMKERNELS_SKIP_NATIVE=1 builds no native code: the package then runs on
   its pure-PyTorch reference backend only.
 - Where a GPU is visible (torch.cuda.is_available()) or ACCUMKERNELS_REQUIRE_CUDA=1,
@@ -87,9 +89,12 @@ def _extensions():
     link_flags = ["-fopenmp"]
     sources = _cpu_sources()
     cuda_sources = sorted(str(p.relative_to(ROOT)) for p in (CSRC / "cuda").glob("*.cu"))
-    cuda_home = _cuda_home() if torch.version.cuda else None
+    skip_cuda = _truthy("ACCUMKERNELS_SKIP_CUDA")
+    if skip_cuda and _truthy("ACCUMKERNELS_REQUIRE_CUDA"):
+        sys.exit("accumkernels: ACCUMKERNELS_SKIP_CUDA and ACCUMKERNELS_REQUIRE_CUDA are both set: unset one")
+    cuda_home = _cuda_home() if torch.version.cuda and not skip_cuda else None
     with_cuda = bool(cuda_sources) and cuda_home is not None
-    required = _truthy("ACCUMKERNELS_REQUIRE_CUDA") or torch.cuda.is_available()
+    required = _truthy("ACCUMKERNELS_REQUIRE_CUDA") or (torch.cuda.is_available() and not skip_cuda)
     if required and not with_cuda:
         reason = (
             f"torch {torch.__version__} is a CPU-only build"
@@ -129,7 +134,8 @@ def _extensions():
             f"{os.environ['TORCH_CUDA_ARCH_LIST']} with {cuda_home}; about 4 minutes on 2 cores"
         )
     else:
-        _log("building the CPU kernels (3 ISA variants), no CUDA; about 2 minutes on 2 cores")
+        _log(f"building the CPU kernels (3 ISA variants), no CUDA{' (ACCUMKERNELS_SKIP_CUDA)' if skip_cuda else ''}; "
+             "about 2 minutes on 2 cores")
     build_ext = cpp_extension.BuildExtension.with_options(use_ninja=True)
     return [extension], {"build_ext": build_ext}
 

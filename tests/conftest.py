@@ -64,6 +64,15 @@ if triton_backend.unavailable_reason() is None and triton_backend.supports(torch
 # the CUDA kernels fails in tests/test_cuda.py rather than skipping here.
 GPU_DEVICES = [f"cuda:{i}" for i in sorted({0, torch.cuda.device_count() - 1})] if torch.cuda.is_available() else []
 GPU_BACKENDS = ["reference", "cuda", "triton"]
+# ACCUMKERNELS_TEST_BACKENDS=reference,cpu: only these (the seed sweep's
+# fresh data need not go through Triton's slow interpreter each time).
+_CHOSEN = [b for b in os.environ.get("ACCUMKERNELS_TEST_BACKENDS", "").split(",") if b]
+if _CHOSEN:
+    unknown = set(_CHOSEN) - {"reference", "cpu", "cuda", "triton"}
+    if unknown:
+        raise pytest.UsageError(f"ACCUMKERNELS_TEST_BACKENDS names unknown backends {sorted(unknown)}")
+    CPU_BACKENDS = [b for b in CPU_BACKENDS if b in _CHOSEN]
+    GPU_BACKENDS = [b for b in GPU_BACKENDS if b in _CHOSEN]
 TARGETS = [(name, "cpu") for name in CPU_BACKENDS] + [
     (name, device) for device in GPU_DEVICES for name in GPU_BACKENDS if name in accumkernels.available_backends()
 ]

@@ -24,8 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # The modules whose tests draw random data and assert a numeric bound on it.
-# (The framework, distributed, docs, benchmark and build tests train fixed
-# scenarios at the run's seed too; they run in make test.)
+# (The framework, docs, planner, benchmark and build tests run at make test's
+# seed only: minutes of fresh processes each.)
 NUMERIC_MODULES = [
     "tests/test_accumulate.py",
     "tests/test_steps.py",
@@ -33,8 +33,12 @@ NUMERIC_MODULES = [
     "tests/test_native.py",
     "tests/test_optimizer.py",
     "tests/test_optimizers.py",
+    "tests/test_conformance.py",
+    "tests/test_contract.py",
     "tests/test_amp.py",
     "tests/test_fsdp.py",
+    "tests/test_distributed.py",
+    "tests/test_pipeline.py",
 ]
 
 

@@ -31,6 +31,7 @@ def test_kernel_benchmark_quick_mode(native_only, tmp_path):
     assert "headline [cpu]" in out.stdout
 
 
+@pytest.mark.slow
 def test_suite_quick_mode(native_only, tmp_path):
     """`python -m bench.run --quick`: kernels, size sweep, training windows,
     the batch/micro-batch trade, JSON and plots, in about a minute."""

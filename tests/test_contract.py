@@ -10,7 +10,7 @@ at the call (``num_items``), with the message naming what to do.
 
 Bounds: both runs see the same gradients (the wrapper's fp32 sum of
 micro-batches is bitwise torch's loss / 2 accumulation, see
-test_optimizer.classic_loop_run), so a fallback optimizer (torch's own code on
+test_optimizer.big_batch_run), so a fallback optimizer (torch's own code on
 the same inputs) is bitwise equal, and the fused step differs from torch's by
 the order of its fp32 operations: at most STEP_ULPS ulps of the tensor's
 largest value per step.

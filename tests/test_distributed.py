@@ -251,6 +251,7 @@ def torchrun(args: list[str]) -> str:
     return out.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["--sharded", "--fsdp"])
 def test_example_runs_under_torchrun_and_resumes_mid_window(tmp_path, mode):
     """The example script, 2 ranks, ZeRO-1 or FSDP2: a run that checkpoints
@@ -265,6 +266,7 @@ def test_example_runs_under_torchrun_and_resumes_mid_window(tmp_path, mode):
     assert last.startswith("window    6") and last == [line for line in second.splitlines() if line.startswith("window")][-1]
 
 
+@pytest.mark.slow
 def test_distributed_benchmark_quick_mode(native_only, tmp_path):
     """`python -m bench.distributed --quick`: correctness first, then the table."""
     out = subprocess.run(

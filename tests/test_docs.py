@@ -88,7 +88,8 @@ for page in PAGES:
     singles, multi = parse(page)
     name = page.relative_to(ROOT).as_posix()
     CASES += [pytest.param(page, ("single", i), id=f"{name}" + (f"#{i + 1}" if i else "")) for i in range(len(singles))]
-    CASES += [pytest.param(page, ("ranks", i), id=f"{name}:{s.line}") for i, s in enumerate(multi)]
+    # torchrun snippets start several processes each: with the slow tests.
+    CASES += [pytest.param(page, ("ranks", i), id=f"{name}:{s.line}", marks=pytest.mark.slow) for i, s in enumerate(multi)]
 
 
 def _env() -> dict:

@@ -154,6 +154,7 @@ def test_accum_steps_while_the_framework_counts_is_refused():
     assert not errors["lightning_moved"]
 
 
+@pytest.mark.slow
 @needs("accelerate")
 def test_accelerate_on_two_processes(tmp_path):
     ranks = launch("accelerate_loop", tmp_path)
@@ -185,6 +186,7 @@ class TestHuggingFace:
             torch.testing.assert_close(torch.tensor(ours["grad_norms"]), torch.tensor(plain["grad_norms"]),
                                        rtol=summation_rtol(n), atol=0)  # fmt: skip
 
+    @pytest.mark.slow
     @needs("accelerate")
     @pytest.mark.skipif(not (TRANSFORMERS4 / "transformers").exists() and not REQUIRED,
                         reason=f"transformers 4.x is not installed in {TRANSFORMERS4}")  # fmt: skip
@@ -211,6 +213,7 @@ class TestHuggingFace:
         assert rel_diff(ours["resumed"], ours["params"]) <= 1e-6
         assert rel_diff(plain["resumed"], plain["params"]) <= 1e-6
 
+    @pytest.mark.slow
     @needs("transformers", "accelerate")
     def test_hf_trainer_on_two_processes(self, tmp_path):
         ranks = launch("hf_trainer", tmp_path, max_grad_norm=0.05)

@@ -113,6 +113,7 @@ def test_refusals(runs):
     assert "device meshes" in errors["two_meshes"]
 
 
+@pytest.mark.slow
 def test_fsdp_benchmark_quick_mode(tmp_path):
     """`python -m bench.fsdp --quick`: every path, the wrapper's buffers at 1/W
     of the model, FSDP2's no-sync path holding the whole unsharded gradient."""

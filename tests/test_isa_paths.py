@@ -28,6 +28,7 @@ SELECTION = ["tests/test_optimizer.py", "tests/test_optimizers.py", "-k", "cpu o
              "tests/test_frameworks.py::TestHuggingFace::test_hf_trainer"]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not OTHER_ISAS, reason="this machine runs one CPU ISA path only")
 @pytest.mark.parametrize("isa", OTHER_ISAS)
 def test_parity_tests_under_another_isa(native_only, isa):

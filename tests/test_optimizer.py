@@ -47,10 +47,25 @@ def rel_diff(model_a: nn.Module, model_b: nn.Module) -> float:
     )
 
 
-def big_batch_run(model, opt, windows, *, clip=None, scheduler=None):
+# Runs through the wrapper against a plain run: the plain run is torch's own
+# accumulation of the same micro-batches (big_batch_run), which hands the
+# optimizer the wrapper's window gradient bit for bit.
+# What is left is the fused step's own rounding, at most 8 fp32 ulps of the
+# largest param a window, so for up to 10 windows:
+PARITY = 1e-5  # >= 8 * 10 * 2^-23
+
+
+def big_batch_run(model, opt, windows, *, clip=None, scheduler=None, n_micro=4):
+    """One plain step per window on the window's gradient, summed over its
+    ``n_micro`` micro-batches as torch accumulates them (loss / n_micro into
+    .grad; n_micro a power of two, so the scaling is exact and the sum is the
+    wrapper's fp32 sum times 1 / n_micro, bit for bit); ``n_micro=1``:
+    one backward of the whole batch (its gradient then differs from the
+    micro-batches' sum by fp32 summation order)."""
     for x, y in windows:
         opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
+        for xb, yb in zip(x.chunk(n_micro), y.chunk(n_micro)):
+            (F.mse_loss(model(xb), yb) / n_micro).backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
@@ -76,7 +91,7 @@ def test_micro_batches_equal_big_batch(backend, name):
     big_batch_run(plain, cls(plain.parameters(), **hyper), windows)
     opt = ak.AccumulatingOptimizer(cls(ours.parameters(), **hyper), accum_steps=4, backend=backend)
     micro_batch_run(ours, opt, windows, 4)
-    assert rel_diff(ours, plain) <= 1e-5
+    assert rel_diff(ours, plain) <= PARITY
     assert all(isinstance(p.grad, FoldedGrad) for p in ours.parameters()), "no .grad storage beside the buffers"
 
 
@@ -134,7 +149,7 @@ def test_items_normalization_weights_tokens(backend):
     # SGD: linear in the gradient, so the comparison is not at the mercy of
     # Adam's m / sqrt(v) for elements whose sum nearly cancels.
     hyper = dict(lr=0.1, momentum=0.9)
-    big_batch_run(plain, torch.optim.SGD(plain.parameters(), **hyper), [(x, y)])
+    big_batch_run(plain, torch.optim.SGD(plain.parameters(), **hyper), [(x, y)], n_micro=1)
     opt = ak.AccumulatingOptimizer(torch.optim.SGD(ours.parameters(), **hyper), accum_steps=4, normalize="items",
                                    backend=backend)  # fmt: skip
     naive_opt = ak.AccumulatingOptimizer(torch.optim.SGD(naive.parameters(), **hyper), accum_steps=4, backend=backend)
@@ -143,6 +158,8 @@ def test_items_normalization_weights_tokens(backend):
         opt.step(num_items=torch.tensor(float(lengths[i])) if i % 2 else lengths[i])
         F.mse_loss(naive(xb), yb).backward()
         naive_opt.step()
+    # One SGD window on the whole batch: lr times the fp32 summation-order
+    # difference of the gradient (~1e-7 of it), far below 1e-5 of the params.
     assert rel_diff(ours, plain) <= 1e-5
     assert rel_diff(naive, plain) > 1e-3, "the mean of micro-batch means should differ from the token mean"
 
@@ -180,7 +197,7 @@ def test_grad_scaler_skips_a_window_with_inf(backend, loop):
             assert not opt.state or all(s["step"].item() == 0 for s in opt.state.values())
     # The run equals a plain run of the two clean windows.
     big_batch_run(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=ADAM_EPS), windows[1:])
-    assert rel_diff(ours, reference) <= 1e-5
+    assert rel_diff(ours, reference) <= PARITY
 
 
 def test_clipping_matches_torch(backend):
@@ -190,7 +207,7 @@ def test_clipping_matches_torch(backend):
     opt = ak.AccumulatingOptimizer(torch.optim.SGD(ours.parameters(), lr=0.05), accum_steps=2, max_grad_norm=0.5,
                                    backend=backend)  # fmt: skip
     micro_batch_run(ours, opt, windows, 2)
-    assert rel_diff(ours, plain) <= 1e-5
+    assert rel_diff(ours, plain) <= PARITY
     assert opt.last_grad_norm is not None and opt.last_grad_norm.item() > 0.5
 
     # clip_grad_norm_ returns the norm torch computes on the big-batch gradient.
@@ -216,7 +233,7 @@ def test_lr_scheduler_and_param_groups(backend):
     big_batch_run(plain, plain_opt, windows, scheduler=torch.optim.lr_scheduler.StepLR(plain_opt, 1, gamma=0.5))
     opt = ak.AccumulatingOptimizer(torch.optim.SGD(groups(ours), lr=0.1), accum_steps=4, backend=backend)
     micro_batch_run(ours, opt, windows, 4, scheduler=torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5))
-    assert rel_diff(ours, plain) <= 1e-5
+    assert rel_diff(ours, plain) <= PARITY
     assert opt.param_groups[0]["lr"] == pytest.approx(0.05 / 16)
 
 
@@ -250,7 +267,7 @@ def test_params_without_gradient_are_skipped(backend):
         if heads == ["a", "a"]:
             assert all(ours.head_b.weight not in opt.state for _ in [0])
             assert torch.equal(ours.head_b.weight, TwoHeads().head_b.weight)
-    assert rel_diff(ours, plain) <= 1e-5
+    assert rel_diff(ours, plain) <= PARITY
 
 
 FALLBACKS = {
@@ -261,33 +278,22 @@ FALLBACKS = {
 }
 
 
-def classic_loop_run(model, opt, windows, n_micro):
-    """torch's own accumulation: loss / N per micro-batch into .grad, one step per
-    window. With N a power of two, loss / N scales every gradient exactly, so the
-    window's .grad is bitwise the wrapper's fp32 sum (the same additions in the
-    same order) times 1/N: the plain optimizer gets the very same window gradient."""
-    for x, y in windows:
-        opt.zero_grad()
-        for xb, yb in zip(x.chunk(n_micro), y.chunk(n_micro)):
-            (F.mse_loss(model(xb), yb) / n_micro).backward()
-        opt.step()
-
-
 @pytest.mark.parametrize("name", list(FALLBACKS))
 def test_fallback_optimizer(backend, name):
     """Optimizers without a fused step get the window's gradient as .grad and step
-    themselves: against torch's accumulation loop, which hands the optimizer the
-    same window gradient bit for bit, the params are bitwise equal (the same
-    optimizer code on the same inputs). Not against the big batch: its gradient
-    differs from the micro-batches' sum by fp32 summation order, which Muon's
-    bf16 Newton-Schulz iteration can turn into a bf16 ulp (2^-8) of its update."""
+    themselves: against torch's accumulation loop (big_batch_run), which hands
+    the optimizer the same window gradient bit for bit, the params are bitwise
+    equal (the same optimizer code on the same inputs). Not against one
+    backward of the whole batch: its gradient differs from the micro-batches'
+    sum by fp32 summation order, which Muon's bf16 Newton-Schulz iteration can
+    turn into a bf16 ulp (2^-8) of its update."""
     windows = [data() for _ in range(3)]
     plain, ours = mlp(), mlp()
 
     def params(model):
         return [p for p in model.parameters() if p.ndim == 2] if name == "Muon" else model.parameters()
 
-    classic_loop_run(plain, FALLBACKS[name](params(plain)), windows, 4)
+    big_batch_run(plain, FALLBACKS[name](params(plain)), windows)
     opt = ak.AccumulatingOptimizer(FALLBACKS[name](params(ours)), accum_steps=4, backend=backend)
     micro_batch_run(ours, opt, windows, 4)
     assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), plain.parameters()))
@@ -448,7 +454,7 @@ def test_checkpoints_interoperate_with_the_plain_optimizer(backend):
     more = [data() for _ in range(2)]
     big_batch_run(plain, plain_opt, more)
     micro_batch_run(again, again_opt, more, 2)
-    assert rel_diff(again, plain) <= 1e-5
+    assert rel_diff(again, plain) <= PARITY
 
 
 def test_no_grad_is_kept_beside_the_buffers(backend):
@@ -512,13 +518,16 @@ def test_gpt_loss_curve_matches_big_batch(backend):
 @pytest.mark.parametrize("norm,equal", [("layer", True), ("group", True), ("batch", False)])
 def test_batchnorm_caveat(backend, norm, equal):
     """BatchNorm normalizes with each micro-batch's statistics, so N micro-batches
-    are not the big batch; LayerNorm and GroupNorm work per sample, so they are."""
+    are not the big batch; LayerNorm and GroupNorm work per sample, so they are
+    (SGD, 2 windows: the big batch's gradient differs from the micro-batches'
+    sum by fp32 summation order only, lr times that is far below 1e-5 of the
+    params; BatchNorm's differ by far more than 1e-3)."""
     windows = [data() for _ in range(2)]
     plain, ours = mlp(norm), mlp(norm)
-    big_batch_run(plain, torch.optim.SGD(plain.parameters(), lr=0.1), windows)
+    big_batch_run(plain, torch.optim.SGD(plain.parameters(), lr=0.1), windows, n_micro=1)
     opt = ak.AccumulatingOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1), accum_steps=4, backend=backend)
     micro_batch_run(ours, opt, windows, 4)
-    assert (rel_diff(ours, plain) <= 1e-5) == equal
+    assert rel_diff(ours, plain) <= 1e-5 if equal else rel_diff(ours, plain) > 1e-3
 
 
 # ---- bad use -------------------------------------------------------------
@@ -661,7 +670,7 @@ def test_staged_unfreezing(backend, intake):
         if w == 0:
             assert torch.equal(ours[0].weight, frozen)
     assert not torch.equal(ours[0].weight, frozen), "the unfrozen weight must train"
-    assert rel_diff(ours, plain) <= 1e-5
+    assert rel_diff(ours, plain) <= PARITY
 
 
 def test_a_refused_checkpoint_changes_nothing(backend):
@@ -757,7 +766,7 @@ def test_grad_views_survive_module_to(backend):
             (F.mse_loss(ours(xb), yb) / 4).backward()
         opt.step()
         opt.zero_grad()
-    assert rel_diff(ours, plain) <= 1e-5
+    assert rel_diff(ours, plain) <= PARITY
     assert all(opt._layout.aliased(r) and r.param.grad is r.buffer for r in opt._layout)
 
 
@@ -786,7 +795,7 @@ def test_compiled_and_checkpointed_models(intake, wrap_model):
     model = torch.compile(ours) if wrap_model == "compile" else _Checkpointed(ours)
     micro_batch_run(model, opt, windows, 4)
     assert opt.optimizer.state[next(ours.parameters())]["step"].item() == 2
-    assert rel_diff(ours, plain) <= 1e-5
+    assert rel_diff(ours, plain) <= PARITY
 
 
 # ---- natural mistakes: the plain run's result, or an error naming the setting ----
@@ -813,7 +822,7 @@ def test_the_classic_loop_with_the_wrapper_swapped_in_equals_plain(backend, clip
     classic_loop(plain, torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9), windows, 4, clip=clip)
     opt = ak.AccumulatingOptimizer(torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9), backend=backend)
     classic_loop(ours, opt, windows, 4, clip=clip)
-    assert rel_diff(ours, plain) <= 1e-5
+    assert rel_diff(ours, plain) <= PARITY
 
 
 def test_the_classic_loop_with_accum_steps_is_refused():
@@ -882,7 +891,7 @@ def test_zero_grad_placements_equal_plain(backend, placement):
             opt.step()
             if placement == "after-step":
                 opt.zero_grad()
-    assert rel_diff(ours, plain) <= 1e-5
+    assert rel_diff(ours, plain) <= PARITY
 
 
 def test_two_backward_passes_per_micro_step(backend):
@@ -905,7 +914,7 @@ def test_two_backward_passes_per_micro_step(backend):
                 two_losses(model, xb, yb, 4)
             o.step()
             o.zero_grad()
-    assert rel_diff(ours, plain) <= 1e-5
+    assert rel_diff(ours, plain) <= PARITY
     opt_n = ak.AccumulatingOptimizer(torch.optim.SGD(refused.parameters(), lr=0.1), accum_steps=4, backend=backend)
     two_losses(refused, *data(8), 1)
     with pytest.raises(RuntimeError, match="sum their losses"):
@@ -942,7 +951,7 @@ def test_a_scheduler_built_on_the_inner_optimizer(backend, recwarn):
     scheduler = torch.optim.lr_scheduler.StepLR(inner, 1, gamma=0.5)
     opt = ak.AccumulatingOptimizer(inner, accum_steps=4, backend=backend)
     micro_batch_run(ours, opt, windows, 4, scheduler=scheduler)
-    assert rel_diff(ours, plain) <= 1e-5
+    assert rel_diff(ours, plain) <= PARITY
     assert inner.param_groups[0]["lr"] == plain_opt.param_groups[0]["lr"] == pytest.approx(0.1 / 16)
     assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]
 
@@ -1011,4 +1020,4 @@ def test_autograd_grad_does_not_feed_the_window(backend, intake):
             torch.autograd.grad(F.mse_loss(ours(xb), yb), list(ours.parameters()))
             F.mse_loss(ours(xb), yb).backward()
             opt.step()
-    assert rel_diff(ours, plain) <= 1e-5
+    assert rel_diff(ours, plain) <= PARITY

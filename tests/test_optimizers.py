@@ -14,7 +14,7 @@ import torch
 from torch.nn import functional as F
 
 import accumkernels as ak
-from test_optimizer import ADAM_EPS, big_batch_run, classic_loop, data, mlp, rel_diff
+from test_optimizer import ADAM_EPS, PARITY, big_batch_run, classic_loop, data, mlp, rel_diff
 
 CLASSES = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}
 HYPER = {"AdamW": dict(lr=1e-2, eps=ADAM_EPS, weight_decay=0.1), "Adam": dict(lr=1e-2, eps=ADAM_EPS, amsgrad=True),
@@ -44,7 +44,7 @@ def test_the_one_line_swap_equals_plain(backend, name):
     plain, ours = mlp(), mlp()
     classic_loop(plain, CLASSES[name](plain.parameters(), **HYPER[name]), windows, 4, clip=0.5)
     classic_loop(ours, getattr(ak, name)(ours.parameters(), backend=backend, **HYPER[name]), windows, 4, clip=0.5)
-    assert rel_diff(ours, plain) <= 1e-5
+    assert rel_diff(ours, plain) <= PARITY  # the same window gradient: the fused step's rounding only
 
 
 def test_param_groups_named_params_and_a_scheduler(backend):
@@ -67,7 +67,7 @@ def test_param_groups_named_params_and_a_scheduler(backend):
         opt.step()
         opt.zero_grad()
         scheduler.step()
-    assert rel_diff(ours, plain) <= 1e-5
+    assert rel_diff(ours, plain) <= PARITY  # the same window gradient: the fused step's rounding only
     assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in plain_opt.param_groups]
     assert opt.state_dict()["param_groups"][0]["param_names"] == plain_opt.state_dict()["param_groups"][0]["param_names"]
 
@@ -88,7 +88,7 @@ def test_state_dicts_interchange_with_torch_optim(backend, name):
     back = getattr(ak, name)(ours.parameters(), backend=backend, **HYPER[name])
     back.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
     big_batch_run(ours, back, windows[3:])
-    assert rel_diff(ours, plain) <= 1e-5
+    assert rel_diff(ours, plain) <= PARITY  # the same window gradient: the fused step's rounding only
 
 
 def test_accum_steps_and_options_pass_through(backend):
@@ -101,7 +101,7 @@ def test_accum_steps_and_options_pass_through(backend):
         for xb, yb in zip(x.chunk(4), y.chunk(4)):
             F.mse_loss(ours(xb), yb).backward()
             opt.step()
-    assert rel_diff(ours, plain) <= 1e-5
+    assert rel_diff(ours, plain) <= PARITY  # the same window gradient: the fused step's rounding only
     assert opt.intake == "hooks" and opt.last_grad_norm is not None
 
 

@@ -91,6 +91,7 @@ def test_static_part_follows_the_options():
     assert plain["fp32 buffers"] >= 4 * n
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,budget", [("gpt-d64", "24MiB"), ("gpt-d128", "48MiB"), ("gpt-d256", "160MiB")])
 def test_prediction_against_a_fresh_process(name, budget):
     """The chosen plan, trained in a fresh process (a window and the first

@@ -34,6 +34,7 @@ def compiled_variants():
     return [json.loads(line) for line in out.stdout.splitlines()]
 
 
+@pytest.mark.slow
 def test_every_variant_compiles_for_sm90(compiled_variants):
     import triton_variants  # tests/ is on sys.path (pytest's rootdir conftest)
 
