@@ -61,17 +61,19 @@ def make_optimizer(name: str, params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=ADAM_EPS)
 
 
-def reference(cfg, world: int, reverse: bool = False) -> list[torch.Tensor]:
-    """One process, one big step per window on all ranks' micro-batches
-    (``reverse``: the losses summed in the other order, for the reference's own
-    sensitivity to fp32 summation order)."""
+def reference(cfg, world: int, order: str = "ranks") -> list[torch.Tensor]:
+    """One process, one big step per window on all ranks' micro-batches, the
+    losses summed rank by rank (``order="micro"``: micro-step by micro-step;
+    ``"reverse"``: from the last): the other orders measure the reference's own
+    sensitivity to fp32 summation order."""
     model = Net()
     opt = make_optimizer(cfg["optimizer"], model.parameters())
-    order = [(r, m) for r in range(world) for m in range(N_MICRO)]
+    keys = [(r, m) for r in range(world) for m in range(N_MICRO)]
+    keys = {"ranks": keys, "micro": sorted(keys, key=lambda k: (k[1], k[0])), "reverse": keys[::-1]}[order]
     for w in range(WINDOWS):
         opt.zero_grad()
         total, items = 0.0, 0
-        for r, m in order[::-1] if reverse else order:
+        for r, m in keys:
             x, y = micro_batch(cfg["seed"], w, r, m, cfg.get("normalize") == "items")
             if cfg.get("normalize") == "items":
                 total = total + model.loss(x, y, r % 2 == 1, reduction="sum")
@@ -146,7 +148,7 @@ def parity(cfg, rank, world):
     out = {"params": params_of(model), "buckets": len(opt._layout.buckets)}
     if rank == 0:
         out["reference"] = reference(cfg, world)
-        out["reference_reversed"] = reference(cfg, world, reverse=True)
+        out["alternates"] = [reference(cfg, world, order) for order in ("micro", "reverse")]
     return out
 
 
@@ -239,7 +241,7 @@ def ddp_taken_over(cfg, rank, world):
         out[order] = {"params": params_of(model), "ddp_calls": calls[0]}
     if rank == 0:
         out["reference"] = reference(cfg, world)
-        out["reference_reversed"] = reference(cfg, world, reverse=True)
+        out["alternates"] = [reference(cfg, world, order) for order in ("micro", "reverse")]
     return out
 
 
@@ -268,7 +270,7 @@ def framework_loop(cfg, rank, world):
     out = {"params": params_of(model), "ddp_calls": calls[0], "norms": norms, "intake": opt.intake}
     if rank == 0:
         out["reference"] = reference(cfg, world)
-        out["reference_reversed"] = reference(cfg, world, reverse=True)
+        out["alternates"] = [reference(cfg, world, order) for order in ("micro", "reverse")]
         out["reference_norms"] = reference_norms(cfg, world)
     return out
 

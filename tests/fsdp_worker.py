@@ -69,17 +69,19 @@ def wrapped_model(cfg, mesh, **options):
     return model, opt
 
 
-def reference(cfg, world, reverse=False):
-    """One process, one big step per window on every rank's micro-batches
-    (``reverse``: the losses summed in the other order, for the reference's own
-    sensitivity to fp32 summation order)."""
+def reference(cfg, world, order="ranks"):
+    """One process, one big step per window on every rank's micro-batches, the
+    losses summed rank by rank (``order="micro"``: micro-step by micro-step;
+    ``"reverse"``: from the last): the other orders measure the reference's own
+    sensitivity to fp32 summation order."""
     model = Net()
     opt = make_optimizer(model.parameters(), cfg.get("optimizer", "adamw"))
     items = cfg.get("normalize") == "items"
     for w in range(WINDOWS):
         opt.zero_grad()
-        batches = [micro_batch(cfg["seed"], w, r, m, items) for r in range(world) for m in range(N_MICRO)]
-        batches = batches[::-1] if reverse else batches
+        keys = [(r, m) for r in range(world) for m in range(N_MICRO)]
+        keys = {"ranks": keys, "micro": sorted(keys, key=lambda k: (k[1], k[0])), "reverse": keys[::-1]}[order]
+        batches = [micro_batch(cfg["seed"], w, r, m, items) for r, m in keys]
         if items:
             # As the wrapper: the sum-reduced losses' gradient, times 1 / items
             # in fp32 (dividing the loss instead rounds at every backward op).
@@ -121,7 +123,7 @@ def parity(cfg, rank, world, mesh):
     out = {"params": full_params(model)}
     if rank == 0:
         out["reference"] = reference(cfg, world)
-        out["reference_reversed"] = reference(cfg, world, reverse=True)
+        out["alternates"] = [reference(cfg, world, order) for order in ("micro", "reverse")]
     return out
 
 

@@ -42,17 +42,20 @@ def make_inner(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-4)
 
 
-def reference(cfg, dp: int, reverse: bool = False) -> list[torch.Tensor]:
-    """One process, the whole batch (``reverse``: its rows in the other order,
-    for the reference's own sensitivity to fp32 summation order)."""
+def reference(cfg, dp: int, order: str = "rows") -> list[torch.Tensor]:
+    """One process, the whole batch (``order="reverse"``: its rows from the
+    last, ``"rolled"``: from the middle; the other orders measure the
+    reference's own sensitivity to fp32 summation order)."""
     model = full_model()
     opt = make_inner(model.parameters())
     for w in range(WINDOWS):
         opt.zero_grad()
         xs, ys = zip(*(batch(cfg["seed"], w, r) for r in range(dp)))
         x, y = torch.cat(xs), torch.cat(ys)
-        if reverse:
+        if order == "reverse":
             x, y = x.flip(0), y.flip(0)
+        elif order == "rolled":
+            x, y = x.roll(len(x) // 2, 0), y.roll(len(y) // 2, 0)
         F.mse_loss(model(x), y).backward()
         opt.step()
     return [p.detach().clone() for p in model.parameters()]
@@ -105,7 +108,7 @@ def pipeline_only(cfg, rank, world):
     out = {"params": params, "world_size": opt.world_size}
     if rank == 0:
         out["reference"] = reference(cfg, 1)
-        out["reference_reversed"] = reference(cfg, 1, reverse=True)
+        out["alternates"] = [reference(cfg, 1, order) for order in ("reverse", "rolled")]
     return out
 
 
@@ -122,7 +125,7 @@ def mesh_pp_dp(cfg, rank, world):
            "given_world_size": given_opt.world_size}  # fmt: skip
     if rank == 0:
         out["reference"] = reference(cfg, 2)
-        out["reference_reversed"] = reference(cfg, 2, reverse=True)
+        out["alternates"] = [reference(cfg, 2, order) for order in ("reverse", "rolled")]
     return out
 
 

@@ -236,15 +236,20 @@ def test_state_dict_is_deterministic(cls, kwargs, way):
     twins = [p.detach().clone().requires_grad_() for p in params]
     twin_opt = _build(way, cls, twins, kwargs)
     twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
-    x = torch.randn(5, generator=torch.Generator().manual_seed(5))
     for ps, o in ((params, opt), (twins, twin_opt)):
-        for _ in range(2):
-            for _ in range(2 if way == "wrapper-accum2" else 1):
-                _loss(ps, x).backward()
-                o.step()
-            o.zero_grad()
+        _windows(way, ps, o, windows=2, seed=5)
     assert all(torch.equal(a, b) for a, b in zip(params, twins))
     _assert_same_state_dict(opt.state_dict(), twin_opt.state_dict())
+
+
+def _windows(way, params, opt, *, windows, seed):
+    """``windows`` more windows on one fixed input (two micro-steps each for the counting wrapper)."""
+    x = torch.randn(5, generator=torch.Generator().manual_seed(seed))
+    for _ in range(windows):
+        for _ in range(2 if way == "wrapper-accum2" else 1):
+            _loss(params, x).backward()
+            opt.step()
+        opt.zero_grad()
 
 
 def _assert_same_state_dict(a, b):
@@ -277,12 +282,8 @@ def test_loads_older_state_dicts(cls, kwargs, way):
     twins = [p.detach().clone().requires_grad_() for p in params]
     twin_opt = _build(way, cls, twins, kwargs)
     twin_opt.load_state_dict(old)
-    x = torch.randn(5, generator=torch.Generator().manual_seed(6))
     for ps, o in ((params, opt), (twins, twin_opt)):
-        for _ in range(2 if way == "wrapper-accum2" else 1):
-            _loss(ps, x).backward()
-            o.step()
-        o.zero_grad()
+        _windows(way, ps, o, windows=1, seed=6)
     for a, b in zip(params, twins):
         torch.testing.assert_close(a, b, rtol=STEP_ULPS * EPS32, atol=0)
 

@@ -89,7 +89,7 @@ def test_ranks_equal_single_process_big_batch(runs, world, case):
     assert results[0]["buckets"] > 2  # the toy model spans several buckets
     for r in results[1:]:
         assert same(r["params"], results[0]["params"])  # every rank holds the same params
-    assert_within_summation_noise(results[0]["params"], results[0]["reference"], results[0]["reference_reversed"],
+    assert_within_summation_noise(results[0]["params"], results[0]["reference"], results[0]["alternates"],
                                   worker.WINDOWS)  # fmt: skip
 
 
@@ -97,7 +97,7 @@ def test_ranks_equal_single_process_big_batch(runs, world, case):
 def test_items_are_summed_across_ranks(runs, case):
     results = [r[case] for r in runs[2]]
     assert same(results[1]["params"], results[0]["params"])
-    assert_within_summation_noise(results[0]["params"], results[0]["reference"], results[0]["reference_reversed"],
+    assert_within_summation_noise(results[0]["params"], results[0]["reference"], results[0]["alternates"],
                                   worker.WINDOWS)  # fmt: skip
 
 
@@ -191,7 +191,7 @@ def test_ddp_is_taken_over(runs):
         assert all(r[order]["ddp_calls"] == 0 for r in results), order
         assert same(results[1][order]["params"], results[0][order]["params"])
         assert_within_summation_noise(results[0][order]["params"], results[0]["reference"],
-                                      results[0]["reference_reversed"], worker.WINDOWS)  # fmt: skip
+                                      results[0]["alternates"], worker.WINDOWS)  # fmt: skip
 
 
 def test_framework_loop_over_ddp(runs):
@@ -205,7 +205,7 @@ def test_framework_loop_over_ddp(runs):
     assert min(results[0]["reference_norms"]) > 0.05
     for r in results:
         torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(results[0]["reference_norms"]), rtol=1e-5, atol=0)
-    assert_within_summation_noise(results[0]["params"], results[0]["reference"], results[0]["reference_reversed"],
+    assert_within_summation_noise(results[0]["params"], results[0]["reference"], results[0]["alternates"],
                                   worker.WINDOWS)  # fmt: skip
 
 

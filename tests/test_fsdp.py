@@ -65,7 +65,7 @@ def test_ranks_equal_one_process(runs, world, case):
         assert rel_diff(results[0]["params"], results[0]["reference"]) <= 3e-2
     else:
         assert_within_summation_noise(results[0]["params"], results[0]["reference"],
-                                      results[0]["reference_reversed"], worker.WINDOWS)  # fmt: skip
+                                      results[0]["alternates"], worker.WINDOWS)  # fmt: skip
 
 
 def test_bf16_shards_summed_in_fp32(runs):
