@@ -306,3 +306,17 @@ def test_messages_name_what_to_do():
         ak.AdamW(nn.Linear(2, 2).parameters()).add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
     with pytest.raises(ValueError, match="stochastic_rounding=True rounds bf16 params.*torch.float16"):
         ak.AdamW(nn.Linear(2, 2).half().parameters(), stochastic_rounding=True)
+
+
+def test_step_hooks_run_around_every_step_call():
+    """As torch's: around every step() call (micro-steps included); a post-hook
+    acting once per update checks window_stepped (docs/optimizers.md)."""
+    p = torch.zeros(3, requires_grad=True)
+    opt = ak.SGD([p], lr=0.1, accum_steps=2)
+    calls, updates = [], []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, args, kwargs: updates.append(o.window_stepped))
+    for _ in range(4):
+        p.sum().backward()
+        opt.step()
+    assert calls == ["pre"] * 4 and updates == [False, True, False, True]
