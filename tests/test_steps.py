@@ -498,9 +498,14 @@ def test_adam_bf16_state_against_float64_and_reference(backend, param_dtype, ada
             err = (got.double() - want).abs()
             assert (err <= _bf16_ulp(want) + 8 * 2.0**-24 * terms).all(), name
     slots = ((0, "params"), (1, "exp_avg"), (2, "exp_avg_sq")) + (((3, "max_exp_avg_sq"),) if amsgrad else ())
+    start = torch.cat([t.double() for t in params])
     for k, name in slots:
         ours, ref = (torch.cat([t.double() for t in runs[r][k]]) for r in (backend, "reference"))
-        assert ((ours - ref).abs() <= _bf16_ulp(ref) + 1e-6 * ref.abs()).all(), name
+        # The two fp32 values differ by a few roundings of the terms' magnitude
+        # (for params: where they started and how far they moved, which may
+        # cancel to ~0, so never relative to the result), plus a bf16 neighbour.
+        scale = start.abs() + (ref - start).abs() if k == 0 else ref.abs()
+        assert ((ours - ref).abs() <= _bf16_ulp(ref) + 17 * 2.0**-24 * scale).all(), name
         if k:  # the state, rounded stochastically: other bits only where the fp32 values differed
             assert (ours == ref).double().mean() > 0.99, f"{name}: other bits than the reference"
 
