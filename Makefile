@@ -3,6 +3,7 @@
 # extension in place (pip install --no-build-isolation -e .) and run.
 #
 #   make test                 # the test suite but its slow tests (CI runs this, then make test-slow and sweep)
+#   make lint                 # ruff: lint and format check (CI runs it first)
 #   make bench                # the benchmark suite on the best device present
 #
 # The default torch is 2.14.1, a CUDA 13.0 build: with a CUDA toolkit present
@@ -18,15 +19,17 @@ TORCH  ?= torch==2.14.1
 FRAMEWORKS   ?= transformers==5.24.0 accelerate==1.15.0 pytorch-lightning==2.6.6 peft==0.21.2
 TRANSFORMERS4 ?= transformers==4.57.6
 PY     := $(VENV)/bin/python
+# The formatter and linter (configured in pyproject.toml), pinned: a new release may format otherwise.
+RUFF   ?= ruff==0.17.6
 NATIVE_SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
 
-.PHONY: test test-slow sweep bench build clean gpu-deps
+.PHONY: test test-slow sweep lint format bench build clean gpu-deps
 
 $(VENV)/.deps:
 	@echo "== setting up $(VENV): $(TORCH) (a CUDA build is ~5.5 GB), ninja, pytest, pytest-xdist, numpy, matplotlib; 1-3 minutes"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH)" ninja pytest pytest-xdist expecttest numpy matplotlib "setuptools>=77" wheel
+	$(PY) -m pip install --quiet "$(TORCH)" ninja pytest pytest-xdist expecttest numpy matplotlib "setuptools>=77" wheel "$(RUFF)"
 	if $(PY) -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)"; then \
 		$(PY) -m pip install --quiet cuda-bindings; fi
 	@echo "== test frameworks: $(FRAMEWORKS), and $(TRANSFORMERS4) in $(VENV)/transformers4"
@@ -58,6 +61,15 @@ SEEDS  ?= 10
 
 test: build
 	$(PYTEST) -m "not slow"
+
+# ruff's lint and format check (pyproject.toml's [tool.ruff]); make format rewrites the files.
+lint: $(VENV)/.deps
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: $(VENV)/.deps
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
 
 test-slow: build
 	$(PYTEST) -m slow

@@ -134,8 +134,10 @@ def _extensions():
             f"{os.environ['TORCH_CUDA_ARCH_LIST']} with {cuda_home}; about 4 minutes on 2 cores"
         )
     else:
-        _log(f"building the CPU kernels (3 ISA variants), no CUDA{' (ACCUMKERNELS_SKIP_CUDA)' if skip_cuda else ''}; "
-             "about 2 minutes on 2 cores")
+        _log(
+            f"building the CPU kernels (3 ISA variants), no CUDA{' (ACCUMKERNELS_SKIP_CUDA)' if skip_cuda else ''}; "
+            "about 2 minutes on 2 cores"
+        )
     build_ext = cpp_extension.BuildExtension.with_options(use_ninja=True)
     return [extension], {"build_ext": build_ext}
 

@@ -34,8 +34,10 @@ for backend in backends:
         if backend == "cuda" and device == "cpu":
             continue
         torch.manual_seed(0)
-        models = [torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).to(device)
-                  for _ in range(2)]  # fmt: skip
+        models = [
+            torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).to(device)
+            for _ in range(2)
+        ]
         models[1].load_state_dict(models[0].state_dict())
         ours = ak.AdamW(models[0].parameters(), lr=1e-2, accum_steps=4, backend=backend)
         plain = torch.optim.AdamW(models[1].parameters(), lr=1e-2)
@@ -49,5 +51,7 @@ for backend in backends:
         for a, b in zip(models[0].parameters(), models[1].parameters()):
             bound = 8 * torch.finfo(torch.float32).eps * b.detach().abs().max()
             assert (a - b).abs().max() <= bound, (backend, device, (a - b).abs().max().item())
-        print(f"installed accumkernels {ak.__version__ if hasattr(ak, '__version__') else ''} from {where.parent}: "
-              f"one window with backend {backend!r} on {device} equals torch AdamW")  # fmt: skip
+        print(
+            f"installed accumkernels {ak.__version__ if hasattr(ak, '__version__') else ''} from {where.parent}: "
+            f"one window with backend {backend!r} on {device} equals torch AdamW"
+        )

@@ -16,8 +16,6 @@ pure-PyTorch reference and CPU, CUDA and Triton kernels
 
 from . import _native
 from .backends import available_backends
-from .optim import SGD, AccumulatingOptimizer, Adam, AdamW
-from .plan import WindowPlan, plan_window
 from .ops import (
     accumulate_,
     adam_step_and_zero_,
@@ -25,6 +23,8 @@ from .ops import (
     grad_norm,
     sgd_step_and_zero_,
 )
+from .optim import SGD, AccumulatingOptimizer, Adam, AdamW
+from .plan import WindowPlan, plan_window
 
 if _native.is_loaded():
     from . import _fake

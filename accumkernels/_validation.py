@@ -44,7 +44,9 @@ def first_dtype(tensors: list[torch.Tensor]) -> torch.dtype | None:
 
 def check_same_dtype(op: str, tensors: list[torch.Tensor], name: str, i: int, reason: str) -> None:
     if tensors[i].dtype != tensors[0].dtype:
-        raise TypeError(f"{op}: {name}[{i}] has dtype {tensors[i].dtype} but {name}[0] has {tensors[0].dtype}; {reason}")
+        raise TypeError(
+            f"{op}: {name}[{i}] has dtype {tensors[i].dtype} but {name}[0] has {tensors[0].dtype}; {reason}"
+        )
 
 
 def check_length(op: str, values: list, name: str, expected: int, reason: str) -> None:
@@ -137,12 +139,17 @@ def check_scalar_tensor(op: str, t, name: str, device: torch.device) -> None:
         raise RuntimeError(f"{op}: {name} is on {t.device}; expected {device}, the device of the tensors")
 
 
-def check_number(op: str, value, name: str, *, low: float | None = None, high: float | None = None,
-                 high_inclusive: bool = True) -> float:
+def check_number(
+    op: str, value, name: str, *, low: float | None = None, high: float | None = None, high_inclusive: bool = True
+) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{op}: {name} must be a float; got {type(value).__name__}")
     x = float(value)
-    if x != x or (low is not None and x < low) or (high is not None and (x > high or (x == high and not high_inclusive))):
+    if (
+        x != x
+        or (low is not None and x < low)
+        or (high is not None and (x > high or (x == high and not high_inclusive)))
+    ):
         bounds = ([f">= {low}"] if low is not None else []) + (
             [f"{'<=' if high_inclusive else '<'} {high}"] if high is not None else []
         )

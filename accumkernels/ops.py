@@ -69,13 +69,28 @@ def accumulate_(
     checks.check_scalar_tensor(op, found_inf, "found_inf", device)
     checks.check_disjoint(op, {"buffers": buffers, "found_inf": found_inf}, {"grads": grads, "scale": scale_tensor})
     resolve(backend, device).accumulate_(
-        buffers=buffers, grads=grads, scale=scale_value, scale_tensor=scale_tensor, overwrite=bool(overwrite),
+        buffers=buffers,
+        grads=grads,
+        scale=scale_value,
+        scale_tensor=scale_tensor,
+        overwrite=bool(overwrite),
         found_inf=found_inf,
-    )  # fmt: skip
+    )
 
 
-def _step_arguments(op, params, buffers, master_params, grad_scale, found_inf, maximize, zero_buffers,
-                    stochastic_rounding, seed, positions) -> dict:
+def _step_arguments(
+    op,
+    params,
+    buffers,
+    master_params,
+    grad_scale,
+    found_inf,
+    maximize,
+    zero_buffers,
+    stochastic_rounding,
+    seed,
+    positions,
+) -> dict:
     """Checks what every step op takes and returns it under the schema's names
     (maximize folded into the sign of grad_scale); {} for an empty call."""
     params = checks.as_tensor_list(op, params, "params")
@@ -115,11 +130,17 @@ def _step_arguments(op, params, buffers, master_params, grad_scale, found_inf, m
     scale_value, scale_tensor = checks.scale_argument(op, grad_scale, "grad_scale", device)
     checks.check_scalar_tensor(op, found_inf, "found_inf", device)
     return dict(
-        params=params, buffers=buffers, master_params=master_params,
-        grad_scale=-scale_value if maximize else scale_value, grad_scale_tensor=scale_tensor, found_inf=found_inf,
-        zero_buffers=bool(zero_buffers), stochastic_rounding=bool(stochastic_rounding), seed=seed,
+        params=params,
+        buffers=buffers,
+        master_params=master_params,
+        grad_scale=-scale_value if maximize else scale_value,
+        grad_scale_tensor=scale_tensor,
+        found_inf=found_inf,
+        zero_buffers=bool(zero_buffers),
+        stochastic_rounding=bool(stochastic_rounding),
+        seed=seed,
         positions=positions,
-    )  # fmt: skip
+    )
 
 
 def _check_state(op, state, name, params, dtype):
@@ -138,13 +159,27 @@ def _scalar_tensors(args: dict) -> dict:
     return {"grad_scale": args["grad_scale_tensor"], "found_inf": args["found_inf"]}
 
 
-def sgd_step_and_zero_(params: Tensors, buffers: Tensors, momentum_buffers: Tensors | None = None, *, lr: float,
-                       momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
-                       nesterov: bool = False, maximize: bool = False, is_first_step: bool = False,
-                       grad_scale: float | torch.Tensor = 1.0, found_inf: torch.Tensor | None = None,
-                       master_params: Tensors | None = None, zero_buffers: bool = True,
-                       stochastic_rounding: bool = False, seed: int = 0, positions: Sequence[int] | None = None,
-                       backend: str | None = None) -> None:  # fmt: skip
+def sgd_step_and_zero_(
+    params: Tensors,
+    buffers: Tensors,
+    momentum_buffers: Tensors | None = None,
+    *,
+    lr: float,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    maximize: bool = False,
+    is_first_step: bool = False,
+    grad_scale: float | torch.Tensor = 1.0,
+    found_inf: torch.Tensor | None = None,
+    master_params: Tensors | None = None,
+    zero_buffers: bool = True,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+    positions: Sequence[int] | None = None,
+    backend: str | None = None,
+) -> None:
     """One torch.optim.SGD step from fp32 gradient buffers, then clear them, in one pass.
 
     Per element, with ``w`` the weight (``master_params`` if given, else the
@@ -201,8 +236,19 @@ def sgd_step_and_zero_(params: Tensors, buffers: Tensors, momentum_buffers: Tens
     weight_decay = checks.check_number(op, weight_decay, "weight_decay", low=0.0)
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError(f"{op}: nesterov requires momentum > 0 and dampening == 0")
-    args = _step_arguments(op, params, buffers, master_params, grad_scale, found_inf, maximize, zero_buffers,
-                           stochastic_rounding, seed, positions)  # fmt: skip
+    args = _step_arguments(
+        op,
+        params,
+        buffers,
+        master_params,
+        grad_scale,
+        found_inf,
+        maximize,
+        zero_buffers,
+        stochastic_rounding,
+        seed,
+        positions,
+    )
     params = args.get("params", [])
     if momentum != 0:
         _check_state(op, momentum_buffers, "momentum_buffers", params, checks.first_dtype(momentum_buffers))
@@ -212,14 +258,24 @@ def sgd_step_and_zero_(params: Tensors, buffers: Tensors, momentum_buffers: Tens
         return
     checks.check_disjoint(
         op,
-        {"params": params, "buffers": args["buffers"], "momentum_buffers": momentum_buffers,
-         "master_params": args["master_params"]},
+        {
+            "params": params,
+            "buffers": args["buffers"],
+            "momentum_buffers": momentum_buffers,
+            "master_params": args["master_params"],
+        },
         _scalar_tensors(args),
-    )  # fmt: skip
+    )
     resolve(backend, params[0].device).sgd_step_and_zero_(
-        **args, momentum_buffers=momentum_buffers, lr=lr, momentum=momentum, dampening=dampening,
-        weight_decay=weight_decay, nesterov=bool(nesterov), is_first_step=bool(is_first_step),
-    )  # fmt: skip
+        **args,
+        momentum_buffers=momentum_buffers,
+        lr=lr,
+        momentum=momentum,
+        dampening=dampening,
+        weight_decay=weight_decay,
+        nesterov=bool(nesterov),
+        is_first_step=bool(is_first_step),
+    )
 
 
 _ADAM_DOC = """One torch.optim.{cls} step from fp32 gradient buffers, then clear them, in one pass.
@@ -299,8 +355,19 @@ def _adam_family(name: str, adamw: bool, default_weight_decay: float, decay: str
         beta2 = checks.check_number(op, betas[1], "betas[1]", low=0.0, high=1.0, high_inclusive=False)
         eps = checks.check_number(op, eps, "eps", low=0.0)
         weight_decay = checks.check_number(op, weight_decay, "weight_decay", low=0.0)
-        args = _step_arguments(op, params, buffers, master_params, grad_scale, found_inf, maximize, zero_buffers,
-                               stochastic_rounding, seed, positions)  # fmt: skip
+        args = _step_arguments(
+            op,
+            params,
+            buffers,
+            master_params,
+            grad_scale,
+            found_inf,
+            maximize,
+            zero_buffers,
+            stochastic_rounding,
+            seed,
+            positions,
+        )
         params = args.get("params", [])
         if not params:
             return
@@ -318,15 +385,30 @@ def _adam_family(name: str, adamw: bool, default_weight_decay: float, decay: str
                 raise ValueError(f"{op}: state_steps[{i}] must have 1 element; got {s.numel()}")
         checks.check_disjoint(
             op,
-            {"params": params, "buffers": args["buffers"], "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs,
-             "max_exp_avg_sqs": max_exp_avg_sqs, "state_steps": state_steps, "master_params": args["master_params"]},
+            {
+                "params": params,
+                "buffers": args["buffers"],
+                "exp_avgs": exp_avgs,
+                "exp_avg_sqs": exp_avg_sqs,
+                "max_exp_avg_sqs": max_exp_avg_sqs,
+                "state_steps": state_steps,
+                "master_params": args["master_params"],
+            },
             _scalar_tensors(args),
-        )  # fmt: skip
+        )
         getattr(resolve(backend, params[0].device), name)(
-            **args, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, max_exp_avg_sqs=max_exp_avg_sqs,
-            state_steps=state_steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+            **args,
+            exp_avgs=exp_avgs,
+            exp_avg_sqs=exp_avg_sqs,
+            max_exp_avg_sqs=max_exp_avg_sqs,
+            state_steps=state_steps,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=weight_decay,
             amsgrad=bool(amsgrad),
-        )  # fmt: skip
+        )
 
     step_and_zero_.__name__ = step_and_zero_.__qualname__ = name
     step_and_zero_.__doc__ = _ADAM_DOC.format(cls="AdamW" if adamw else "Adam", decay=decay)

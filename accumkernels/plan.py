@@ -69,14 +69,25 @@ class WindowPlan:
     notes: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
-        rows = [("micro_batch_size", str(self.micro_batch_size)), ("accum_steps", str(self.accum_steps)),
-                ("global_batch", f"{self.global_batch}" + ("" if self.exact else
-                 f" (not divisible: the last micro-batch holds {self.last_micro_batch})")),
-                ("predicted peak", f"{_mib(self.predicted_peak_bytes)} of a {_mib(self.budget_bytes)} budget")]  # fmt: skip
+        rows = [
+            ("micro_batch_size", str(self.micro_batch_size)),
+            ("accum_steps", str(self.accum_steps)),
+            (
+                "global_batch",
+                f"{self.global_batch}"
+                + ("" if self.exact else f" (not divisible: the last micro-batch holds {self.last_micro_batch})"),
+            ),
+            ("predicted peak", f"{_mib(self.predicted_peak_bytes)} of a {_mib(self.budget_bytes)} budget"),
+        ]
         rows += [(f"  {k}", _mib(v)) for k, v in self.breakdown.items()]
         f = self.fit
-        rows.append(("activation fit", f"a = {_mib(f['a'])}, c = {_mib(f['c'])} per sample, worst residual "
-                                       f"{f['residual'] * 100:.1f} % (sizes {f['sizes']})"))  # fmt: skip
+        rows.append(
+            (
+                "activation fit",
+                f"a = {_mib(f['a'])}, c = {_mib(f['c'])} per sample, worst residual "
+                f"{f['residual'] * 100:.1f} % (sizes {f['sizes']})",
+            )
+        )
         rows.append(("planning", f"{self.passes} forward/backward passes, {self.seconds:.2f} s"))
         width = max(len(k) for k, _ in rows)
         return "\n".join([f"{k.ljust(width)}  {v}" for k, v in rows] + [f"note: {n}" for n in self.notes])
@@ -88,18 +99,24 @@ def parse_budget(memory_budget, device: torch.device) -> int:
     if isinstance(memory_budget, str):
         text = memory_budget.strip().lower().replace(" ", "")
         number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-        unit = text[len(number):] or "b"
+        unit = text[len(number) :] or "b"
         if unit not in _UNITS or not number:
             raise ValueError(f"memory_budget {memory_budget!r}: expected a number of bytes or e.g. '12GiB', '800MB'")
         memory_budget = float(number) * _UNITS[unit]
-    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or not math.isfinite(memory_budget):
+    if (
+        isinstance(memory_budget, bool)
+        or not isinstance(memory_budget, (int, float))
+        or not math.isfinite(memory_budget)
+    ):
         raise TypeError(f"memory_budget must be a number of bytes (or a fraction on CUDA); got {memory_budget!r}")
     if memory_budget <= 0:
         raise ValueError(f"memory_budget must be > 0; got {memory_budget!r}")
     if memory_budget <= 1:
         if device.type != "cuda":
-            raise ValueError(f"memory_budget={memory_budget} reads as a fraction of the device's memory, which "
-                             f"only CUDA devices report; on {device.type} give bytes")  # fmt: skip
+            raise ValueError(
+                f"memory_budget={memory_budget} reads as a fraction of the device's memory, which "
+                f"only CUDA devices report; on {device.type} give bytes"
+            )
         return int(memory_budget * torch.cuda.get_device_properties(device).total_memory)
     return int(memory_budget)
 
@@ -117,9 +134,15 @@ def static_bytes(optimizer: torch.optim.Optimizer, **wrapper_options) -> dict[st
         world = dist.get_world_size(wrapper_options.get("process_group"))
     layout = Layout(params, groups, torch.device("meta"), wrapper_options.get("bucket_cap_mb", 25.0), world)
     stepped = {id(p): p.numel() // world for p in params}  # sharded: each rank steps 1/W of every bucket
-    precision = {id(p): precision_of(p.dtype, master_weights=wrapper_options.get("master_weights", False),
-                                     stochastic_rounding=wrapper_options.get("stochastic_rounding"),
-                                     state_dtype=wrapper_options.get("state_dtype")) for p in params}  # fmt: skip
+    precision = {
+        id(p): precision_of(
+            p.dtype,
+            master_weights=wrapper_options.get("master_weights", False),
+            stochastic_rounding=wrapper_options.get("stochastic_rounding"),
+            state_dtype=wrapper_options.get("state_dtype"),
+        )
+        for p in params
+    }
     state = 0
     for group in optimizer.param_groups:
         if kind == "sgd":
@@ -140,8 +163,12 @@ def _snapshot_state(model, optimizer):
     """What the measuring passes may change: params, their .grad, module buffers
     (BatchNorm's running statistics and counts), the optimizer's state."""
     params = list(model.parameters())
-    return ([p.detach().clone() for p in params], [p.grad for p in params],
-            {k: dict(v) for k, v in optimizer.state.items()}, [b.detach().clone() for b in model.buffers()])  # fmt: skip
+    return (
+        [p.detach().clone() for p in params],
+        [p.grad for p in params],
+        {k: dict(v) for k, v in optimizer.state.items()},
+        [b.detach().clone() for b in model.buffers()],
+    )
 
 
 def _restore_state(model, optimizer, saved) -> None:
@@ -174,8 +201,9 @@ def _measure(model, loss_fn, optimizer, sizes, device, wrapper_options) -> tuple
                 torch.cuda.synchronize(device)
                 measured.append(torch.cuda.max_memory_allocated(device) - before)
             else:
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                            profile_memory=True) as prof:  # fmt: skip
+                with torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+                ) as prof:
                     _micro_step(model, loss_fn, wrapper, b)
                 measured.append(profiled_peak(prof))
     finally:
@@ -218,8 +246,16 @@ def _fit(sizes: list[int], measured: list[int]) -> tuple[float, float, float]:
     return a, c, residual
 
 
-def plan_window(model: torch.nn.Module, loss_fn, *, global_batch: int, memory_budget, optimizer: torch.optim.Optimizer,
-                sizes: tuple[int, ...] = (2, 4, 8), **wrapper_options) -> WindowPlan:  # fmt: skip
+def plan_window(
+    model: torch.nn.Module,
+    loss_fn,
+    *,
+    global_batch: int,
+    memory_budget,
+    optimizer: torch.optim.Optimizer,
+    sizes: tuple[int, ...] = (2, 4, 8),
+    **wrapper_options,
+) -> WindowPlan:
     """The largest micro-batch that fits ``memory_budget`` and the accumulation
     steps that make ``global_batch`` of it.
 
@@ -240,7 +276,8 @@ def plan_window(model: torch.nn.Module, loss_fn, *, global_batch: int, memory_bu
 
     if isinstance(optimizer, AccumulatingOptimizer):
         raise TypeError(
-            f"plan_window plans for a torch.optim optimizer that is not wrapped yet, and got {type(optimizer).__name__} "
+            "plan_window plans for a torch.optim optimizer that is not wrapped yet, and got "
+            f"{type(optimizer).__name__} "
             "(an accumkernels optimizer already holding the params): pass torch.optim."
             f"{type(optimizer.optimizer).__name__}(...) with the same params, then build the accumkernels optimizer "
             "with accum_steps=plan (and its wrapper options as planned)"
@@ -258,7 +295,8 @@ def plan_window(model: torch.nn.Module, loss_fn, *, global_batch: int, memory_bu
         raise ValueError(
             f"memory_budget {_mib(budget)} does not hold even the static part of training: "
             + ", ".join(f"{k} {_mib(v)}" for k, v in breakdown.items())
-            + f" (with a {MARGIN:.0%} margin {_mib(static * (1 + MARGIN))}): {_mib(static * (1 + MARGIN) - budget)} short"
+            + f" (with a {MARGIN:.0%} margin {_mib(static * (1 + MARGIN))}): "
+            + f"{_mib(static * (1 + MARGIN) - budget)} short"
         )
     sizes = sorted({min(int(s), global_batch) for s in sizes if int(s) >= 1})
     if len(sizes) < 2 and global_batch > 1:
@@ -278,8 +316,10 @@ def plan_window(model: torch.nn.Module, loss_fn, *, global_batch: int, memory_bu
 
     fitting = max((b for b in range(1, global_batch + 1) if peak(b) <= budget), default=0)
     if fitting == 0:
-        raise ValueError(f"not even a micro-batch of 1 fits: predicted {_mib(peak(1))} for a {_mib(budget)} budget "
-                         f"({_mib(static)} static, {_mib(a + c)} for one sample)")  # fmt: skip
+        raise ValueError(
+            f"not even a micro-batch of 1 fits: predicted {_mib(peak(1))} for a {_mib(budget)} budget "
+            f"({_mib(static)} static, {_mib(a + c)} for one sample)"
+        )
     divisor = max(d for d in range(1, fitting + 1) if global_batch % d == 0)
     notes = []
     if divisor * 2 > fitting or divisor == global_batch:
@@ -287,17 +327,30 @@ def plan_window(model: torch.nn.Module, loss_fn, *, global_batch: int, memory_bu
     else:  # a divisor would waste more than half the memory: a ragged last micro-batch instead
         b, steps = fitting, -(-global_batch // fitting)
         last = global_batch - (steps - 1) * fitting
-        notes.append(f"{global_batch} has no divisor near {fitting}: {steps - 1} micro-batches of {b} and a last one "
-                     f"of {last}; use normalize='items' with num_items = each micro-batch's samples for the exact "
-                     "mean")  # fmt: skip
+        notes.append(
+            f"{global_batch} has no divisor near {fitting}: {steps - 1} micro-batches of {b} and a last one "
+            f"of {last}; use normalize='items' with num_items = each micro-batch's samples for the exact "
+            "mean"
+        )
     if residual > 0.1:
-        notes.append(f"the activation fit is off by up to {residual:.0%} at the sizes measured: pass sizes= closer to "
-                     f"{b}")  # fmt: skip
+        notes.append(
+            f"the activation fit is off by up to {residual:.0%} at the sizes measured: pass sizes= closer to {b}"
+        )
     predicted = peak(b)
     parts = dict(breakdown)
     parts[f"activations ({b} samples)"] = int(a + c * b)
     parts["margin"] = int(predicted - static - a - c * b)
-    return WindowPlan(micro_batch_size=b, accum_steps=steps, global_batch=global_batch, last_micro_batch=last,
-                      exact=last == b, budget_bytes=budget, predicted_peak_bytes=int(predicted), breakdown=parts,
-                      fit={"a": a, "c": c, "sizes": sizes, "measured": measured, "residual": residual},
-                      passes=len(sizes), seconds=seconds, notes=notes)  # fmt: skip
+    return WindowPlan(
+        micro_batch_size=b,
+        accum_steps=steps,
+        global_batch=global_batch,
+        last_micro_batch=last,
+        exact=last == b,
+        budget_bytes=budget,
+        predicted_peak_bytes=int(predicted),
+        breakdown=parts,
+        fit={"a": a, "c": c, "sizes": sizes, "measured": measured, "residual": residual},
+        passes=len(sizes),
+        seconds=seconds,
+        notes=notes,
+    )

@@ -107,7 +107,9 @@ class CollectiveCounter:
             # The tensor whose bytes are the payload: all-reduce's tensor, all-gather's
             # output, the others' input; by position or by keyword (FSDP2 uses keywords).
             if kind in ("all_reduce", "all_gather"):
-                tensor = args[0] if args else next(kwargs[k] for k in ("tensor", "output_tensor", "output") if k in kwargs)
+                tensor = (
+                    args[0] if args else next(kwargs[k] for k in ("tensor", "output_tensor", "output") if k in kwargs)
+                )
             else:
                 tensor = args[1] if len(args) > 1 else next(kwargs[k] for k in ("input_tensor", "input") if k in kwargs)
             self.calls[kind] += 1

@@ -59,8 +59,13 @@ def git_commit() -> str:
     root = Path(__file__).resolve().parent.parent
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, check=True)  # fmt: skip
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         return commit.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -120,9 +125,17 @@ def run_ranks(worker, what: str, device_type: str, quick: bool, world: int) -> t
     if device_type == "cuda" and torch.cuda.device_count() < world:
         print(f"  {torch.cuda.device_count()} GPU(s) for {world} ranks: the {what} runs on the CPU (gloo)")
         device_type = "cpu"
-    cfg = dict(device=device_type, n_micro=4, micro_batch=4 if quick else 8, ctx=64, d=64 if quick else 256,
-               layers=2 if quick else 4, warmup=1, reps=3 if quick else 7,
-               threads=max(1, (os.cpu_count() or 2) // world))  # fmt: skip
+    cfg = dict(
+        device=device_type,
+        n_micro=4,
+        micro_batch=4 if quick else 8,
+        ctx=64,
+        d=64 if quick else 256,
+        layers=2 if quick else 4,
+        warmup=1,
+        reps=3 if quick else 7,
+        threads=max(1, (os.cpu_count() or 2) // world),
+    )
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.pt")
         mp.spawn(worker, args=(world, os.path.join(tmp, "init"), cfg, out), nprocs=world)
@@ -162,8 +175,11 @@ def ranks_main(argv, doc: str, name: str, what: str, worker, columns) -> int:
     device, rows = run_ranks(worker, what, device, args.quick, args.world)
     print(table(rows, columns))
     record = machine_record(torch.device(device))
-    path = write_results(f"{name}-{device}{'-quick' if args.quick else ''}",
-                         {"machine": record, "quick": args.quick, "rows": rows}, args.results_dir)  # fmt: skip
+    path = write_results(
+        f"{name}-{device}{'-quick' if args.quick else ''}",
+        {"machine": record, "quick": args.quick, "rows": rows},
+        args.results_dir,
+    )
     print(f"wrote {path}")
     return 0
 
@@ -171,8 +187,9 @@ def ranks_main(argv, doc: str, name: str, what: str, worker, columns) -> int:
 def in_fresh_process(module: str, cfg: dict) -> dict:
     """``python -m <module> --one <cfg as JSON>`` in a new process (so that its
     peak memory is its own); its last stdout line, parsed as JSON."""
-    out = subprocess.run([sys.executable, "-m", module, "--one", json.dumps(cfg)], capture_output=True, text=True,
-                         timeout=900)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", module, "--one", json.dumps(cfg)], capture_output=True, text=True, timeout=900
+    )
     if out.returncode != 0:
         raise RuntimeError(f"{module} --one {cfg} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

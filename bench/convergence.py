@@ -56,14 +56,31 @@ from . import common
 CTX, SEQUENCES, D, LAYERS, HEADS = 64, 64, 64, 2, 4
 LR, LR_END, WARMUP, BETAS, WEIGHT_DECAY, CLIP = 2e-3, 1e-4, 10, (0.9, 0.95), 0.1, 1.0
 EVAL_SEQUENCES = 256
-_MAIN = ("fp32", "autocast", "bf16-plain", "ours", "ours-nearest", "ours-master", "ours-remainders", "torchao-sr",
-         "torchao-8bit", "bnb-8bit")  # fmt: skip
+_MAIN = (
+    "fp32",
+    "autocast",
+    "bf16-plain",
+    "ours",
+    "ours-nearest",
+    "ours-master",
+    "ours-remainders",
+    "torchao-sr",
+    "torchao-8bit",
+    "bnb-8bit",
+)
 _LONG_WINDOWS = ("fp32", "autocast", "bf16-plain", "ours", "torchao-sr")
 SETTINGS = {
     # name: (windows, seeds, {N: the recipes run at that window length})
     "default": (80, 3, {8: _MAIN, 32: ("fp32", "bf16-plain", "ours")}),
-    "full": (300, 3, {8: _MAIN + ("ours-fp32-state", "ours-remainders-bf16-state", "fp16-ours", "fp16-ours-master"),
-                      32: _LONG_WINDOWS, 64: _LONG_WINDOWS}),  # fmt: skip
+    "full": (
+        300,
+        3,
+        {
+            8: _MAIN + ("ours-fp32-state", "ours-remainders-bf16-state", "fp16-ours", "fp16-ours-master"),
+            32: _LONG_WINDOWS,
+            64: _LONG_WINDOWS,
+        },
+    ),
     "quick": (6, 1, {4: ("fp32", "bf16-plain", "ours", "ours-remainders")}),
 }
 
@@ -115,23 +132,45 @@ RECIPES = {
     "bf16-plain": Recipe("bf16 params, plain bf16 .grad, torch AdamW", torch.bfloat16, "torch", {}),
     "ours": Recipe("AccumulatingOptimizer, bf16 params, defaults", torch.bfloat16, "ours", {}),
     "ours-fp32-state": Recipe("  + state_dtype=torch.float32", torch.bfloat16, "ours", dict(state_dtype=torch.float32)),
-    "ours-nearest": Recipe("  + stochastic_rounding=False, fp32 state (the old defaults)", torch.bfloat16, "ours",
-                           dict(stochastic_rounding=False, state_dtype=torch.float32)),
+    "ours-nearest": Recipe(
+        "  + stochastic_rounding=False, fp32 state (the old defaults)",
+        torch.bfloat16,
+        "ours",
+        dict(stochastic_rounding=False, state_dtype=torch.float32),
+    ),
     "ours-master": Recipe("  + master_weights=True", torch.bfloat16, "ours", dict(master_weights=True)),
-    "ours-remainders": Recipe("  + master_weights='remainders'", torch.bfloat16, "ours",
-                              dict(master_weights="remainders")),
-    "ours-remainders-bf16-state": Recipe("  + master_weights='remainders', bf16 state", torch.bfloat16, "ours",
-                                         dict(master_weights="remainders", state_dtype=torch.bfloat16)),
-    "torchao-sr": Recipe("torchao _AdamW(bf16_stochastic_round=True), bf16 params and .grad", torch.bfloat16,
-                         "torchao-sr", {}, needs="torchao"),
-    "torchao-8bit": Recipe("torchao AdamW8bit(bf16_stochastic_round=True), bf16 params and .grad", torch.bfloat16,
-                           "torchao-8bit", {}, needs="torchao"),
-    "bnb-8bit": Recipe("bitsandbytes AdamW8bit, bf16 params and .grad", torch.bfloat16, "bnb-8bit", {},
-                       needs="bitsandbytes"),
-    "fp16-ours": Recipe("AccumulatingOptimizer, fp16 params + GradScaler, defaults", torch.float16, "ours", {},
-                        scaler=True),
-    "fp16-ours-master": Recipe("  + master_weights=True", torch.float16, "ours", dict(master_weights=True),
-                               scaler=True),
+    "ours-remainders": Recipe(
+        "  + master_weights='remainders'", torch.bfloat16, "ours", dict(master_weights="remainders")
+    ),
+    "ours-remainders-bf16-state": Recipe(
+        "  + master_weights='remainders', bf16 state",
+        torch.bfloat16,
+        "ours",
+        dict(master_weights="remainders", state_dtype=torch.bfloat16),
+    ),
+    "torchao-sr": Recipe(
+        "torchao _AdamW(bf16_stochastic_round=True), bf16 params and .grad",
+        torch.bfloat16,
+        "torchao-sr",
+        {},
+        needs="torchao",
+    ),
+    "torchao-8bit": Recipe(
+        "torchao AdamW8bit(bf16_stochastic_round=True), bf16 params and .grad",
+        torch.bfloat16,
+        "torchao-8bit",
+        {},
+        needs="torchao",
+    ),
+    "bnb-8bit": Recipe(
+        "bitsandbytes AdamW8bit, bf16 params and .grad", torch.bfloat16, "bnb-8bit", {}, needs="bitsandbytes"
+    ),
+    "fp16-ours": Recipe(
+        "AccumulatingOptimizer, fp16 params + GradScaler, defaults", torch.float16, "ours", {}, scaler=True
+    ),
+    "fp16-ours-master": Recipe(
+        "  + master_weights=True", torch.float16, "ours", dict(master_weights=True), scaler=True
+    ),
 }
 
 
@@ -157,8 +196,9 @@ def _optimizer(recipe: Recipe, params, n_micro: int):
         import accumkernels as ak
 
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12) if recipe.scaler else None
-        return ak.AccumulatingOptimizer(inner, accum_steps=n_micro, max_grad_norm=CLIP, grad_scaler=scaler,
-                                        **recipe.options)  # fmt: skip
+        return ak.AccumulatingOptimizer(
+            inner, accum_steps=n_micro, max_grad_norm=CLIP, grad_scaler=scaler, **recipe.options
+        )
     if recipe.optimizer == "bnb-8bit":
         import bitsandbytes as bnb
 
@@ -227,9 +267,16 @@ def train(name: str, seed: int, n_micro: int, windows: int, data, eval_every: in
     if not ours:  # the optimizer state exists after the first step
         state_bytes = _state_bytes(params, opt, None, grads=state_bytes["grads"])
     n = sum(p.numel() for p in params)
-    return {"recipe": name, "seed": seed, "n_micro": n_micro, "curve": curve, "held_out_loss": curve[-1][1],
-            "bytes_per_param": sum(state_bytes.values()) / n, "bytes": state_bytes,
-            "window_ms": statistics.median(times[1:] if len(times) > 1 else times) * 1e3}  # fmt: skip
+    return {
+        "recipe": name,
+        "seed": seed,
+        "n_micro": n_micro,
+        "curve": curve,
+        "held_out_loss": curve[-1][1],
+        "bytes_per_param": sum(state_bytes.values()) / n,
+        "bytes": state_bytes,
+        "window_ms": statistics.median(times[1:] if len(times) > 1 else times) * 1e3,
+    }
 
 
 def _state_bytes(params, opt, wrapper, grads=None) -> dict:
@@ -241,16 +288,23 @@ def _state_bytes(params, opt, wrapper, grads=None) -> dict:
     else:
         out["grads"] = grads if grads is not None else sum(_tensor_bytes(p.grad) for p in params if p.grad is not None)
         out["masters"] = 0
-    out["optimizer state"] = sum(_tensor_bytes(v) for s in opt.state.values() for k, v in s.items()
-                                 if torch.is_tensor(v) and k != "step")  # fmt: skip
+    out["optimizer state"] = sum(
+        _tensor_bytes(v) for s in opt.state.values() for k, v in s.items() if torch.is_tensor(v) and k != "step"
+    )
     return out
 
 
 # ---- the suite ----------------------------------------------------------------
 
-TABLE = [("n_micro", "N", "d"), ("recipe", "recipe", "s"), ("held_out_loss", "held-out loss", ".4f"),
-         ("spread", "spread", ".4f"), ("vs_fp32", "vs fp32", "+.4f"), ("bytes_per_param", "B/param", ".1f"),
-         ("window_ms", "ms/window", ".0f")]  # fmt: skip
+TABLE = [
+    ("n_micro", "N", "d"),
+    ("recipe", "recipe", "s"),
+    ("held_out_loss", "held-out loss", ".4f"),
+    ("spread", "spread", ".4f"),
+    ("vs_fp32", "vs fp32", "+.4f"),
+    ("bytes_per_param", "B/param", ".1f"),
+    ("window_ms", "ms/window", ".0f"),
+]
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -263,13 +317,21 @@ def summarize(runs: list[dict]) -> list[dict]:
     for (n, name), rs in sorted(by_key.items(), key=lambda kv: (kv[0][0], list(RECIPES).index(kv[0][1]))):
         losses = [r["held_out_loss"] for r in rs]
         fp32 = by_key.get((n, "fp32"))
-        rows.append({
-            "n_micro": n, "recipe": name, "label": RECIPES[name].label, "seeds": len(rs),
-            "held_out_loss": statistics.mean(losses), "spread": max(losses) - min(losses),
-            "vs_fp32": statistics.mean(losses) - statistics.mean(x["held_out_loss"] for x in fp32) if fp32 else None,
-            "bytes_per_param": statistics.mean(r["bytes_per_param"] for r in rs),
-            "window_ms": statistics.median(r["window_ms"] for r in rs),
-        })  # fmt: skip
+        rows.append(
+            {
+                "n_micro": n,
+                "recipe": name,
+                "label": RECIPES[name].label,
+                "seeds": len(rs),
+                "held_out_loss": statistics.mean(losses),
+                "spread": max(losses) - min(losses),
+                "vs_fp32": statistics.mean(losses) - statistics.mean(x["held_out_loss"] for x in fp32)
+                if fp32
+                else None,
+                "bytes_per_param": statistics.mean(r["bytes_per_param"] for r in rs),
+                "window_ms": statistics.median(r["window_ms"] for r in rs),
+            }
+        )
     return rows
 
 
@@ -291,25 +353,38 @@ def plot(payload: dict, path: Path) -> None:
         curves.plot(steps, mean, style, label=name, linewidth=2 if name in ("fp32", "ours", "bf16-plain") else 1)
     last = [r["held_out_loss"] for r in rows if r["n_micro"] == base_n]
     curves.set_ylim(min(last) - 0.05, min(last) + 0.6)
-    curves.set(xlabel="window", ylabel="held-out loss (fp32 eval, mean of seeds)",
-               title=f"held-out loss, N = {base_n} micro-batches per window")  # fmt: skip
+    curves.set(
+        xlabel="window",
+        ylabel="held-out loss (fp32 eval, mean of seeds)",
+        title=f"held-out loss, N = {base_n} micro-batches per window",
+    )
     curves.legend(fontsize=7)
     ordered = sorted((r for r in rows if r["vs_fp32"] is not None), key=lambda r: (r["n_micro"], r["vs_fp32"]))
     ys = range(len(ordered))
-    bars.barh(list(ys), [r["vs_fp32"] for r in ordered], xerr=[r["spread"] / 2 for r in ordered],
-              color=["tab:green" if r["recipe"].startswith("ours") else "tab:gray" for r in ordered])  # fmt: skip
+    bars.barh(
+        list(ys),
+        [r["vs_fp32"] for r in ordered],
+        xerr=[r["spread"] / 2 for r in ordered],
+        color=["tab:green" if r["recipe"].startswith("ours") else "tab:gray" for r in ordered],
+    )
     bars.set_yticks(list(ys))
-    bars.set_yticklabels([f"N={r['n_micro']} {r['recipe']} ({r['bytes_per_param']:.1f} B/param)" for r in ordered],
-                         fontsize=7)  # fmt: skip
+    bars.set_yticklabels(
+        [f"N={r['n_micro']} {r['recipe']} ({r['bytes_per_param']:.1f} B/param)" for r in ordered], fontsize=7
+    )
     spread = max((r["spread"] for r in rows if r["recipe"] == "fp32"), default=0.0)
     bars.axvspan(-spread / 2, spread / 2, color="tab:blue", alpha=0.15, label="fp32's seed spread")
     bars.axvline(0, color="k", linewidth=0.8)
-    bars.set(xlabel="final held-out loss minus fp32's (error bar: half the seed spread)",
-             title="final held-out loss vs fp32, with training state in bytes/param")  # fmt: skip
+    bars.set(
+        xlabel="final held-out loss minus fp32's (error bar: half the seed spread)",
+        title="final held-out loss vs fp32, with training state in bytes/param",
+    )
     bars.legend(fontsize=7)
-    fig.suptitle(f"GPT d={D} x {LAYERS} layers on Python's standard library, {payload['windows']} windows of "
-                 f"{SEQUENCES} x {CTX} tokens, {payload['seeds']} seeds ({payload['machine']['cpu']}, "
-                 f"torch {payload['machine']['torch']})", fontsize=9)  # fmt: skip
+    fig.suptitle(
+        f"GPT d={D} x {LAYERS} layers on Python's standard library, {payload['windows']} windows of "
+        f"{SEQUENCES} x {CTX} tokens, {payload['seeds']} seeds ({payload['machine']['cpu']}, "
+        f"torch {payload['machine']['torch']})",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -334,10 +409,19 @@ def run(setting: str, progress=print) -> dict:
                     skipped[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                     break
                 runs.append(r)
-                progress(f"  N={n_micro:2d} {name:28s} seed {seed}: held-out {r['held_out_loss']:.4f}, "
-                         f"{r['bytes_per_param']:.1f} B/param, {r['window_ms']:.0f} ms/window")  # fmt: skip
-    payload = {"machine": common.machine_record(torch.device("cpu")), "setting": setting, "windows": windows,
-               "seeds": seeds, "runs": runs, "rows": summarize(runs), "skipped": skipped}  # fmt: skip
+                progress(
+                    f"  N={n_micro:2d} {name:28s} seed {seed}: held-out {r['held_out_loss']:.4f}, "
+                    f"{r['bytes_per_param']:.1f} B/param, {r['window_ms']:.0f} ms/window"
+                )
+    payload = {
+        "machine": common.machine_record(torch.device("cpu")),
+        "setting": setting,
+        "windows": windows,
+        "seeds": seeds,
+        "runs": runs,
+        "rows": summarize(runs),
+        "skipped": skipped,
+    }
     return payload
 
 

@@ -39,6 +39,8 @@ OURS = {
     "ours-sharded": {"sharded": True},
     "ours-allreduce-bf16wire": {"wire_dtype": torch.bfloat16},
 }
+
+
 def _micro_batch(window: int, rank: int, micro: int, batch: int, ctx: int, device):
     g = torch.Generator().manual_seed(window * 1000 + rank * 100 + micro)
     tokens = torch.randint(0, 256, (batch, ctx + 1), generator=g).to(device)
@@ -46,7 +48,9 @@ def _micro_batch(window: int, rank: int, micro: int, batch: int, ctx: int, devic
 
 
 def _state_mib(opt) -> float:
-    return sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)) / 2**20
+    return (
+        sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)) / 2**20
+    )
 
 
 def _worker(rank: int, world: int, init_file: str, cfg: dict, out: str) -> None:
@@ -127,7 +131,7 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict, out: str) -> None:
     runs = make_paths(torch.bfloat16, lambda params: torch.optim.AdamW(params, lr=1e-3))
     times = {path: [] for path in runs}
     for w in range(1, 1 + cfg["warmup"] + cfg["reps"]):
-        for path, (model, window, *_rest) in runs.items():
+        for path, (_model, window, *_rest) in runs.items():
             dist.barrier()
             common.synchronize(device)
             t0 = time.perf_counter()
@@ -137,16 +141,21 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict, out: str) -> None:
                 times[path].append(time.perf_counter() - t0)
     if rank == 0:
         rows = []
-        for path, (model, window, opt_, counter) in runs.items():
-            rows.append({
-                "path": path, "world": world, "n_micro": n_micro,
-                "params": sum(p.numel() for p in model.parameters()),
-                "window_ms": statistics.median(times[path]) * 1e3,
-                "payload_mib": sum(counter.payload.values()) / 2**20, "sent_mib": counter.sent_bytes(world) / 2**20,
-                "collectives": dict(counter.calls),
-                "state_mib_per_rank": _state_mib(opt_),
-                "update_rel_error_vs_ours_allreduce": agree[path],
-            })  # fmt: skip
+        for path, (model, _window, opt_, counter) in runs.items():
+            rows.append(
+                {
+                    "path": path,
+                    "world": world,
+                    "n_micro": n_micro,
+                    "params": sum(p.numel() for p in model.parameters()),
+                    "window_ms": statistics.median(times[path]) * 1e3,
+                    "payload_mib": sum(counter.payload.values()) / 2**20,
+                    "sent_mib": counter.sent_bytes(world) / 2**20,
+                    "collectives": dict(counter.calls),
+                    "state_mib_per_rank": _state_mib(opt_),
+                    "update_rel_error_vs_ours_allreduce": agree[path],
+                }
+            )
         torch.save(rows, out)
     dist.barrier()  # every rank past its last collective before any leaves
     dist.destroy_process_group()
@@ -159,9 +168,14 @@ def _ddp_loss(ddp, x, y):
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-TABLE = [("path", "path", "s"), ("window_ms", "ms/window", ".1f"), ("payload_mib", "payload MiB", ".2f"),
-         ("sent_mib", "sent MiB (ring)", ".2f"), ("state_mib_per_rank", "opt state MiB/rank", ".2f"),
-         ("update_rel_error_vs_ours_allreduce", "update vs ours-allreduce", ".1e")]  # fmt: skip
+TABLE = [
+    ("path", "path", "s"),
+    ("window_ms", "ms/window", ".1f"),
+    ("payload_mib", "payload MiB", ".2f"),
+    ("sent_mib", "sent MiB (ring)", ".2f"),
+    ("state_mib_per_rank", "opt state MiB/rank", ".2f"),
+    ("update_rel_error_vs_ours_allreduce", "update vs ours-allreduce", ".1e"),
+]
 
 
 def main(argv=None) -> int:

@@ -209,11 +209,21 @@ def precision_suite(device: str, quick: bool, progress=print) -> list[dict]:
                     for a, g in zip(acc, grads):
                         a.add_(g / divisor)
             got = [opt.accumulated_grad(p) for p in params] if path.startswith("ours") else acc
-            rows.append({"path": path, "n_micro": n, "model": model_name, "micro_batch": batch, "ctx": ctx,
-                         "sum_error": _relative_error(got, own_sum),
-                         "total_error": _relative_error(got, exact)})  # fmt: skip
+            rows.append(
+                {
+                    "path": path,
+                    "n_micro": n,
+                    "model": model_name,
+                    "micro_batch": batch,
+                    "ctx": ctx,
+                    "sum_error": _relative_error(got, own_sum),
+                    "total_error": _relative_error(got, exact),
+                }
+            )
             r = rows[-1]
-            progress(f"  N={n:<4d} {path:15s} summation error {r['sum_error']:.1e}   total error {r['total_error']:.1e}")
+            progress(
+                f"  N={n:<4d} {path:15s} summation error {r['sum_error']:.1e}   total error {r['total_error']:.1e}"
+            )
             if path.startswith("ours"):
                 opt.close()
     return rows
@@ -230,8 +240,10 @@ def windows_suite(device: str, quick: bool, progress=print, sizes=None, ns=None)
                 cfg = dict(device=device, path=path, model=model, n_micro=n, micro_batch=4, windows=2 if quick else 3)
                 rows.append(common.in_fresh_process("bench.e2e", cfg))
                 r = rows[-1]
-                progress(f"  {model:9s} N={n:<3d} {path:15s} {r['window_ms']:9.1f} ms/window  peak {r['peak_mib']:8.1f} MiB"
-                         f"  step {r['step_share'] * 100:5.1f} %")  # fmt: skip
+                progress(
+                    f"  {model:9s} N={n:<3d} {path:15s} {r['window_ms']:9.1f} ms/window  peak {r['peak_mib']:8.1f} MiB"
+                    f"  step {r['step_share'] * 100:5.1f} %"
+                )
     return rows
 
 
@@ -247,13 +259,21 @@ def trade_suite(device: str, quick: bool, progress=print) -> list[dict]:
             cfg = dict(device=device, path=path, model=model, n_micro=n, micro_batch=batch // n, windows=2)
             rows.append(common.in_fresh_process("bench.e2e", cfg))
             r = rows[-1]
-            progress(f"  {model:9s} batch {batch} = {n:2d} x {batch // n:2d}  {path:15s} {r['window_ms']:9.1f} ms  "
-                     f"peak {r['peak_mib']:8.1f} MiB")  # fmt: skip
+            progress(
+                f"  {model:9s} batch {batch} = {n:2d} x {batch // n:2d}  {path:15s} {r['window_ms']:9.1f} ms  "
+                f"peak {r['peak_mib']:8.1f} MiB"
+            )
     return rows
 
 
-WINDOWS_TABLE = [("model", "model", "s"), ("n_micro", "N", "d"), ("path", "path", "s"),
-                 ("window_ms", "ms/window", ".1f"), ("peak_mib", "peak MiB", ".1f"), ("step_share", "step share", ".3f")]
+WINDOWS_TABLE = [
+    ("model", "model", "s"),
+    ("n_micro", "N", "d"),
+    ("path", "path", "s"),
+    ("window_ms", "ms/window", ".1f"),
+    ("peak_mib", "peak MiB", ".1f"),
+    ("step_share", "step share", ".3f"),
+]
 
 
 def main(argv=None) -> int:
@@ -273,10 +293,16 @@ def main(argv=None) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     record = common.machine_record(device)
     print(f"training windows on {device}, commit {record['commit']}")
-    rows = windows_suite(device.type, False, sizes=args.models and args.models.split(","),
-                         ns=args.ns and [int(n) for n in args.ns.split(",")])  # fmt: skip
+    rows = windows_suite(
+        device.type,
+        False,
+        sizes=args.models and args.models.split(","),
+        ns=args.ns and [int(n) for n in args.ns.split(",")],
+    )
     print(common.table(rows, WINDOWS_TABLE))
-    print(f"wrote {common.write_results(f'windows-{device.type}', {'machine': record, 'rows': rows}, args.results_dir)}")
+    print(
+        f"wrote {common.write_results(f'windows-{device.type}', {'machine': record, 'rows': rows}, args.results_dir)}"
+    )
     return 0
 
 

@@ -111,8 +111,14 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict, out: str) -> None:
             got = [opt.accumulated_grad(p) for p in model.parameters()]
         else:
             got = [p.grad._local_tensor.double() for p in model.parameters()]
-        sums = torch.tensor([sum(((g.double() - e) ** 2).sum() for g, e in zip(got, exact)).item(),
-                             sum((e**2).sum() for e in exact).item()], dtype=torch.float64, device=device)  # fmt: skip
+        sums = torch.tensor(
+            [
+                sum(((g.double() - e) ** 2).sum() for g, e in zip(got, exact)).item(),
+                sum((e**2).sum() for e in exact).item(),
+            ],
+            dtype=torch.float64,
+            device=device,
+        )
         dist.all_reduce(sums)
         error = (sums[0] / sums[1]).sqrt().item()
         opt.step()  # the window's last step() (the wrapper's) or the plain step
@@ -136,8 +142,9 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict, out: str) -> None:
                     opt.zero_grad()
             peak = common.profiled_peak(prof)
         inner = opt.optimizer if path == "ours" else opt
-        state = _bytes(t._local_tensor if hasattr(t, "_local_tensor") else t for s in inner.state.values()
-                       for t in s.values())  # fmt: skip
+        state = _bytes(
+            t._local_tensor if hasattr(t, "_local_tensor") else t for s in inner.state.values() for t in s.values()
+        )
         times = []
         for w in range(2, 2 + cfg["warmup"] + cfg["reps"]):
             dist.barrier()
@@ -150,16 +157,23 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict, out: str) -> None:
             common.synchronize(device)
             if w >= 2 + cfg["warmup"]:
                 times.append(time.perf_counter() - t0)
-        rows.append({
-            "path": path, "world": world, "n_micro": n_micro, "params": sum(p.numel() for p in model.parameters()),
-            "window_ms": statistics.median(times) * 1e3,
-            "payload_mib": sum(counter.payload.values()) / 2**20, "sent_mib": counter.sent_bytes(world) / 2**20,
-            "collectives": dict(counter.calls),
-            "peak_mib_per_rank": peak / 2**20, "state_mib_per_rank": state / 2**20,
-            "buffers_mib_per_rank": (opt._layout.flat.numel() * 4 if path == "ours" else 0) / 2**20,
-            "unsharded_grad_mib_per_rank": unsharded / 2**20,
-            "grad_rel_error_vs_float64": error,
-        })  # fmt: skip
+        rows.append(
+            {
+                "path": path,
+                "world": world,
+                "n_micro": n_micro,
+                "params": sum(p.numel() for p in model.parameters()),
+                "window_ms": statistics.median(times) * 1e3,
+                "payload_mib": sum(counter.payload.values()) / 2**20,
+                "sent_mib": counter.sent_bytes(world) / 2**20,
+                "collectives": dict(counter.calls),
+                "peak_mib_per_rank": peak / 2**20,
+                "state_mib_per_rank": state / 2**20,
+                "buffers_mib_per_rank": (opt._layout.flat.numel() * 4 if path == "ours" else 0) / 2**20,
+                "unsharded_grad_mib_per_rank": unsharded / 2**20,
+                "grad_rel_error_vs_float64": error,
+            }
+        )
         del model, opt
     if rank == 0:
         torch.save(rows, out)
@@ -177,11 +191,16 @@ def _fsdp_params(model):
                 yield from group.fsdp_params
 
 
-TABLE = [("path", "path", "s"), ("window_ms", "ms/window", ".1f"), ("sent_mib", "sent MiB/rank (ring)", ".2f"),
-         ("peak_mib_per_rank", "peak MiB/rank", ".1f"), ("state_mib_per_rank", "opt state MiB/rank", ".2f"),
-         ("buffers_mib_per_rank", "fp32 buffers MiB/rank", ".2f"),
-         ("unsharded_grad_mib_per_rank", "unsharded grad MiB/rank", ".2f"),
-         ("grad_rel_error_vs_float64", "grad error vs float64", ".1e")]  # fmt: skip
+TABLE = [
+    ("path", "path", "s"),
+    ("window_ms", "ms/window", ".1f"),
+    ("sent_mib", "sent MiB/rank (ring)", ".2f"),
+    ("peak_mib_per_rank", "peak MiB/rank", ".1f"),
+    ("state_mib_per_rank", "opt state MiB/rank", ".2f"),
+    ("buffers_mib_per_rank", "fp32 buffers MiB/rank", ".2f"),
+    ("unsharded_grad_mib_per_rank", "unsharded grad MiB/rank", ".2f"),
+    ("grad_rel_error_vs_float64", "grad error vs float64", ".1e"),
+]
 
 
 def main(argv=None) -> int:

@@ -72,9 +72,12 @@ def timed_backends(device: torch.device) -> list[str]:
     """The backends worth timing on ``device``: not the reference (the oracle),
     nor Triton's CPU interpreter (a test vehicle)."""
     return [
-        b for b in ak.available_backends()
-        if b != "reference" and ak.backends.BACKENDS[b].supports(device) and not (b == "triton" and device.type == "cpu")
-    ]  # fmt: skip
+        b
+        for b in ak.available_backends()
+        if b != "reference"
+        and ak.backends.BACKENDS[b].supports(device)
+        and not (b == "triton" and device.type == "cpu")
+    ]
 
 
 class Group:
@@ -101,9 +104,19 @@ class Group:
         ceiling = _gbs(self.ceiling_bytes, self.cases[0][3], seconds[0])
         for (key, label, bpe, n, _), s in zip(self.cases, seconds):
             gbps = _gbs(bpe, n, s)
-            rows.append({"key": key, "group": self.name, "name": label, "bytes_per_element": bpe, "numel": n,
-                         "median_ms": s * 1e3, "gbps": gbps, "ceiling_gbps": ceiling,
-                         "fraction_of_ceiling": gbps / ceiling})  # fmt: skip
+            rows.append(
+                {
+                    "key": key,
+                    "group": self.name,
+                    "name": label,
+                    "bytes_per_element": bpe,
+                    "numel": n,
+                    "median_ms": s * 1e3,
+                    "gbps": gbps,
+                    "ceiling_gbps": ceiling,
+                    "fraction_of_ceiling": gbps / ceiling,
+                }
+            )
             print(f"  {self.name:10s} {label:66s} {s * 1e3:9.3f} ms {gbps:7.1f} GB/s", flush=True)
         self.cases.clear()
 
@@ -121,25 +134,44 @@ def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
         group.add(f"torch_add_{name}", f"torch buf.add_({name} grad) (mixed dtype)", 10, numel, lambda g=g: buf.add_(g))
     # What autograd does into a bf16 .grad: bf16 += bf16 (and fp32 += fp32 is the ceiling).
     grad_bf16 = g16["bf16"].clone()
-    group.add("autograd_bf16", "autograd-style bf16 .grad += bf16 grad", 6, numel,
-              lambda: grad_bf16.add_(g16["bf16"]))  # fmt: skip
+    group.add("autograd_bf16", "autograd-style bf16 .grad += bf16 grad", 6, numel, lambda: grad_bf16.add_(g16["bf16"]))
     # What the wrapper's "grad" intake leaves to autograd: a bf16 gradient added
     # into a bf16 param's fp32 .grad (param.grad_dtype = float32), by AccumulateGrad itself.
     if hasattr(torch.Tensor, "grad_dtype"):
         leaf = torch.zeros(numel, device=device, dtype=torch.bfloat16, requires_grad=True)
         leaf.grad_dtype = torch.float32
         leaf.grad = buf
-        group.add("autograd_fp32_grad", "autograd into fp32 .grad of a bf16 param (intake 'grad')", 10, numel,
-                  lambda: torch.autograd.backward([leaf], [g16["bf16"]]))  # fmt: skip
+        group.add(
+            "autograd_fp32_grad",
+            "autograd into fp32 .grad of a bf16 param (intake 'grad')",
+            10,
+            numel,
+            lambda: torch.autograd.backward([leaf], [g16["bf16"]]),
+        )
     for backend in backends:
         _check_accumulate(device, backend, 100003)
         for name, g in g16.items():
-            group.add(f"accumulate_{name}[{backend}]", f"accumulate_ {name} -> fp32 [{backend}]", 10, numel,
-                      lambda g=g, backend=backend: ak.accumulate_([buf], [g], 0.5, backend=backend))  # fmt: skip
-        group.add(f"accumulate_fp32[{backend}]", f"accumulate_ fp32 -> fp32 [{backend}]", 12, numel,
-                  lambda backend=backend: ak.accumulate_([buf], [g32], 0.5, backend=backend))  # fmt: skip
-        group.add(f"accumulate_overwrite[{backend}]", f"accumulate_ bf16 overwrite [{backend}]", 6, numel,
-                  lambda backend=backend: ak.accumulate_([buf], [g16["bf16"]], 0.5, overwrite=True, backend=backend))  # fmt: skip
+            group.add(
+                f"accumulate_{name}[{backend}]",
+                f"accumulate_ {name} -> fp32 [{backend}]",
+                10,
+                numel,
+                lambda g=g, backend=backend: ak.accumulate_([buf], [g], 0.5, backend=backend),
+            )
+        group.add(
+            f"accumulate_fp32[{backend}]",
+            f"accumulate_ fp32 -> fp32 [{backend}]",
+            12,
+            numel,
+            lambda backend=backend: ak.accumulate_([buf], [g32], 0.5, backend=backend),
+        )
+        group.add(
+            f"accumulate_overwrite[{backend}]",
+            f"accumulate_ bf16 overwrite [{backend}]",
+            6,
+            numel,
+            lambda backend=backend: ak.accumulate_([buf], [g16["bf16"]], 0.5, overwrite=True, backend=backend),
+        )
     group.time(reps, rows)
     del buf, g32, g16, group, grad_bf16
     leaf = None
@@ -170,11 +202,21 @@ def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
         tag = f"{len(shapes)} tensors, GPT d={dims['d']}, {n / 1e6:.0f}M elements"
         group = Group(key, device, numel)
         group.add(f"{key}_loop", f"Python loop of buf.add_(bf16 grad), {tag}", 10, n, python_loop)
-        group.add(f"{key}_foreach", f"torch._foreach_add_(bufs, bf16 grads), {tag}", 10, n,
-                  lambda bufs=bufs, grads=grads: torch._foreach_add_(bufs, grads))  # fmt: skip
+        group.add(
+            f"{key}_foreach",
+            f"torch._foreach_add_(bufs, bf16 grads), {tag}",
+            10,
+            n,
+            lambda bufs=bufs, grads=grads: torch._foreach_add_(bufs, grads),
+        )
         for backend in backends:
-            group.add(f"{key}[{backend}]", f"accumulate_ one call, {tag} [{backend}]", 10, n,
-                      lambda bufs=bufs, grads=grads, backend=backend: ak.accumulate_(bufs, grads, backend=backend))  # fmt: skip
+            group.add(
+                f"{key}[{backend}]",
+                f"accumulate_ one call, {tag} [{backend}]",
+                10,
+                n,
+                lambda bufs=bufs, grads=grads, backend=backend: ak.accumulate_(bufs, grads, backend=backend),
+            )
         group.time(reps if n < 2e8 else min(reps, 5), rows)
         del bufs, grads, group
 
@@ -182,7 +224,11 @@ def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
     group = Group("adamw", device, numel)
     params = [torch.nn.Parameter(torch.randn(numel, device=device) * 0.1)]
     params[0].grad = torch.randn(numel, device=device) * 1e-3
-    for impl, flags in (("fused", dict(fused=True)), ("foreach", dict(foreach=True)), ("for-loop", dict(foreach=False))):
+    for impl, flags in (
+        ("fused", dict(fused=True)),
+        ("foreach", dict(foreach=True)),
+        ("for-loop", dict(foreach=False)),
+    ):
         opt = torch.optim.AdamW(params, lr=1e-3, **flags)
 
         def torch_step(opt=opt):
@@ -194,11 +240,22 @@ def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
     m, v, step = torch.zeros_like(p), torch.zeros_like(p), torch.zeros((), device=device)
     for backend in backends:
         _check_adamw(device, backend, 100003)
-        group.add(f"adamw[{backend}]", f"adamw_step_and_zero_ [{backend}]", 32, numel,
-                  lambda backend=backend: ak.adamw_step_and_zero_([p], [g], [m], [v], [step], lr=1e-3, backend=backend))  # fmt: skip
-        group.add(f"adamw_nozero[{backend}]", f"adamw_step_and_zero_ zero_buffers=False [{backend}] (28 B)", 28, numel,
-                  lambda backend=backend: ak.adamw_step_and_zero_([p], [g], [m], [v], [step], lr=1e-3, zero_buffers=False,
-                                                                  backend=backend))  # fmt: skip
+        group.add(
+            f"adamw[{backend}]",
+            f"adamw_step_and_zero_ [{backend}]",
+            32,
+            numel,
+            lambda backend=backend: ak.adamw_step_and_zero_([p], [g], [m], [v], [step], lr=1e-3, backend=backend),
+        )
+        group.add(
+            f"adamw_nozero[{backend}]",
+            f"adamw_step_and_zero_ zero_buffers=False [{backend}] (28 B)",
+            28,
+            numel,
+            lambda backend=backend: ak.adamw_step_and_zero_(
+                [p], [g], [m], [v], [step], lr=1e-3, zero_buffers=False, backend=backend
+            ),
+        )
     # bf16 params: the defaults (stochastic rounding, bf16 state) and the master
     # weight options, against torch's fused AdamW on bf16 params, .grad and state.
     bf16_params = [torch.nn.Parameter(torch.randn(numel, device=device).bfloat16())]
@@ -209,8 +266,13 @@ def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
         fused_bf16.step()
         fused_bf16.zero_grad(set_to_none=False)
 
-    group.add("adamw_torch_fused_bf16", "torch AdamW(fused) + grad.zero_(), bf16 params, .grad and state", 16, numel,
-              torch_bf16_step)  # fmt: skip
+    group.add(
+        "adamw_torch_fused_bf16",
+        "torch AdamW(fused) + grad.zero_(), bf16 params, .grad and state",
+        16,
+        numel,
+        torch_bf16_step,
+    )
     pb = bf16_params[0].detach().clone()
     mb, vb = torch.zeros_like(pb), torch.zeros_like(pb)
     m32, v32 = torch.zeros(numel, device=device), torch.zeros(numel, device=device)
@@ -221,11 +283,25 @@ def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
             ("adamw_bf16_fp32_state", "bf16 params, fp32 state, stochastic rounding", 28, (m32, v32), None, True),
             ("adamw_bf16_remainders", "bf16 params + int16 remainders, fp32 state", 32, (m32, v32), remainders, False),
             ("adamw_bf16_master", "bf16 params + fp32 master weights, fp32 state", 36, (m32, v32), masters, False),
-        ):  # fmt: skip
-            group.add(f"{key}[{backend}]", f"adamw_step_and_zero_ {label} [{backend}]", bpe, numel,
-                      lambda state=state, extra=extra, sr=sr, backend=backend: ak.adamw_step_and_zero_(
-                          [pb], [g], [state[0]], [state[1]], [step], lr=1e-3, stochastic_rounding=sr, seed=3,
-                          master_params=None if extra is None else [extra], backend=backend))  # fmt: skip
+        ):
+            group.add(
+                f"{key}[{backend}]",
+                f"adamw_step_and_zero_ {label} [{backend}]",
+                bpe,
+                numel,
+                lambda state=state, extra=extra, sr=sr, backend=backend: ak.adamw_step_and_zero_(
+                    [pb],
+                    [g],
+                    [state[0]],
+                    [state[1]],
+                    [step],
+                    lr=1e-3,
+                    stochastic_rounding=sr,
+                    seed=3,
+                    master_params=None if extra is None else [extra],
+                    backend=backend,
+                ),
+            )
     # The same step over a model's 200 tensors, against torch's fused AdamW:
     # GPT d=512 (60M elements) on the CPU, d=2048 (846M) on CUDA.
     d_model = 2048 if device.type == "cuda" and not quick else 512
@@ -249,13 +325,22 @@ def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
     lm, lv = [torch.zeros_like(x) for x in lp], [torch.zeros_like(x) for x in lp]
     ls = [torch.zeros((), device=device) for _ in lp]
     for backend in backends:
-        group.add(f"adamw_list[{backend}]", f"adamw_step_and_zero_, {tag} [{backend}]", 32, list_n,
-                  lambda backend=backend: ak.adamw_step_and_zero_(lp, lg, lm, lv, ls, lr=1e-3, backend=backend))  # fmt: skip
+        group.add(
+            f"adamw_list[{backend}]",
+            f"adamw_step_and_zero_, {tag} [{backend}]",
+            32,
+            list_n,
+            lambda backend=backend: ak.adamw_step_and_zero_(lp, lg, lm, lv, ls, lr=1e-3, backend=backend),
+        )
     group.time(reps, rows)
     del group, model_params, lp, lg, lm, lv, fused
 
     group = Group("sgd", device, numel)
-    for impl, flags in (("fused", dict(fused=True)), ("foreach", dict(foreach=True)), ("for-loop", dict(foreach=False))):
+    for impl, flags in (
+        ("fused", dict(fused=True)),
+        ("foreach", dict(foreach=True)),
+        ("for-loop", dict(foreach=False)),
+    ):
         sgd = torch.optim.SGD(params, lr=1e-3, **flags)
 
         def torch_sgd(sgd=sgd):
@@ -264,8 +349,13 @@ def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
 
         group.add(f"sgd_torch_{impl}", f"torch SGD({impl}).step() + grad.zero_()", 16, numel, torch_sgd)
     for backend in backends:
-        group.add(f"sgd[{backend}]", f"sgd_step_and_zero_ [{backend}]", 16, numel,
-                  lambda backend=backend: ak.sgd_step_and_zero_([p], [g], lr=1e-3, backend=backend))  # fmt: skip
+        group.add(
+            f"sgd[{backend}]",
+            f"sgd_step_and_zero_ [{backend}]",
+            16,
+            numel,
+            lambda backend=backend: ak.sgd_step_and_zero_([p], [g], lr=1e-3, backend=backend),
+        )
     group.time(reps, rows)
     return {"rows": rows, "numel": numel, "list_numel": list_numel}
 
@@ -280,8 +370,13 @@ def size_sweep(device: torch.device, sizes: list[int], reps: int) -> list[dict]:
         grad = torch.randn(numel, device=device).bfloat16()
         group.add("torch_add_bf16", "torch buf.add_(bf16 grad)", 10, numel, lambda: buf.add_(grad))
         for backend in timed_backends(device):
-            group.add(f"accumulate_bf16[{backend}]", f"accumulate_ bf16 -> fp32 [{backend}]", 10, numel,
-                      lambda backend=backend: ak.accumulate_([buf], [grad], backend=backend))  # fmt: skip
+            group.add(
+                f"accumulate_bf16[{backend}]",
+                f"accumulate_ bf16 -> fp32 [{backend}]",
+                10,
+                numel,
+                lambda backend=backend: ak.accumulate_([buf], [grad], backend=backend),
+            )
         group.time(reps, rows)
         del buf, grad, group
     return rows
@@ -297,19 +392,36 @@ HEADLINE = {
         ("GPT d=512 list: one call vs Python loop", "list512_loop", "list512[{b}]", "time", 4.0),
         ("GPT d=2048 list: one call vs Python loop", "list2048_loop", "list2048[{b}]", "time", 4.0),
         ("adamw_step_and_zero_ vs torch fused + zero_", "adamw_torch_fused", "adamw[{b}]", "time", 1.1),
-        ("adamw step, zero_buffers=False vs torch fused + zero_", "adamw_torch_fused", "adamw_nozero[{b}]", "time", 1.1),
+        (
+            "adamw step, zero_buffers=False vs torch fused + zero_",
+            "adamw_torch_fused",
+            "adamw_nozero[{b}]",
+            "time",
+            1.1,
+        ),
         ("adamw_step_and_zero_ vs torch foreach + zero_", "adamw_torch_foreach", "adamw[{b}]", "time", 3.0),
         ("adamw bf16 params + bf16 state GB/s / fp32 state GB/s", "adamw_bf16_state[{b}]", "adamw[{b}]", "gbps", 0.9),
     ],
     "cuda": [
         ("accumulate_ bf16, fraction of copy bandwidth", "accumulate_bf16[{b}]", "ceiling", "gbps", 0.9),
-        ("accumulate_ 200 tensors (d=2048), fraction of copy bandwidth", "list2048[{b}]", "ceiling_list2048", "gbps", 0.9),
+        (
+            "accumulate_ 200 tensors (d=2048), fraction of copy bandwidth",
+            "list2048[{b}]",
+            "ceiling_list2048",
+            "gbps",
+            0.9,
+        ),
         ("accumulate_ 200 tensors vs torch _foreach_add_", "list2048_foreach", "list2048[{b}]", "time", 1.5),
         ("accumulate_ bf16 vs torch mixed add_", "torch_add_bf16", "accumulate_bf16[{b}]", "time", 1.5),
         ("AdamW 200 tensors, fraction of copy bandwidth", "adamw_list[{b}]", "ceiling_adamw", "gbps", 0.9),
         ("AdamW 200 tensors vs torch fused + zero_", "adamw_list_torch_fused", "adamw_list[{b}]", "time", 1.2),
-        ("AdamW bf16 params + bf16 state, fraction of copy bandwidth", "adamw_bf16_state[{b}]", "ceiling_adamw", "gbps",
-         0.9),
+        (
+            "AdamW bf16 params + bf16 state, fraction of copy bandwidth",
+            "adamw_bf16_state[{b}]",
+            "ceiling_adamw",
+            "gbps",
+            0.9,
+        ),
     ],
 }
 
@@ -330,8 +442,12 @@ def headline(result: dict, backend: str, device_type: str) -> list[dict]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present, else cpu)")
-    parser.add_argument("--numel", type=int, default=None,
-                        help="elements of the single-tensor cases (default 32M on the CPU, 64M on CUDA)")
+    parser.add_argument(
+        "--numel",
+        type=int,
+        default=None,
+        help="elements of the single-tensor cases (default 32M on the CPU, 64M on CUDA)",
+    )
     parser.add_argument("--reps", type=int, default=15, help="timed repetitions per case (median reported)")
     parser.add_argument("--quick", action="store_true", help="4M elements, one smaller model list, 5 reps")
     parser.add_argument("--out", default=None, help="results file name (no .json)")
@@ -342,8 +458,11 @@ def main(argv=None) -> int:
     numel, reps = (4 * 2**20, 5) if args.quick else (args.numel or default_numel, args.reps)
 
     record = common.machine_record(device)
-    print(f"accumkernels kernel benchmark on {device} ({record['cpu'] if device.type == 'cpu' else record.get('gpu')}), "
-          f"{numel} elements, median of {reps}, commit {record['commit']}", flush=True)  # fmt: skip
+    print(
+        f"accumkernels kernel benchmark on {device} ({record['cpu'] if device.type == 'cpu' else record.get('gpu')}), "
+        f"{numel} elements, median of {reps}, commit {record['commit']}",
+        flush=True,
+    )
     result = run(device, numel, reps, args.quick)
     native = "cuda" if device.type == "cuda" else "cpu"
     backend = native if native in ak.available_backends() else None
@@ -353,14 +472,37 @@ def main(argv=None) -> int:
     path = common.write_results(name, payload, args.results_dir)
 
     print()
-    print(common.table(result["rows"], [("group", "group", "s"), ("name", "path", "s"), ("median_ms", "median ms", ".3f"),
-                                        ("bytes_per_element", "B/elem", ".0f"), ("gbps", "GB/s", ".1f"),
-                                        ("fraction_of_ceiling", "of ceiling", ".2f")]))  # fmt: skip
-    ceiling = "a device-to-device fp32 copy_ (8 B/element)" if device.type == "cuda" else "torch's fp32 buf.add_(grad) (12 B/element)"
+    print(
+        common.table(
+            result["rows"],
+            [
+                ("group", "group", "s"),
+                ("name", "path", "s"),
+                ("median_ms", "median ms", ".3f"),
+                ("bytes_per_element", "B/elem", ".0f"),
+                ("gbps", "GB/s", ".1f"),
+                ("fraction_of_ceiling", "of ceiling", ".2f"),
+            ],
+        )
+    )
+    ceiling = (
+        "a device-to-device fp32 copy_ (8 B/element)"
+        if device.type == "cuda"
+        else "torch's fp32 buf.add_(grad) (12 B/element)"
+    )
     print(f"\nceiling: {ceiling}, timed in each group, interleaved with its cases")
     print()
-    print(common.table(heads, [("figure", f"headline [{backend}]", "s"), ("value", "value", ".2f"),
-                               ("target", "target", ".2f"), ("met", "met", "")]))  # fmt: skip
+    print(
+        common.table(
+            heads,
+            [
+                ("figure", f"headline [{backend}]", "s"),
+                ("value", "value", ".2f"),
+                ("target", "target", ".2f"),
+                ("met", "met", ""),
+            ],
+        )
+    )
     print(f"\nwrote {path}")
     return 0
 

@@ -84,21 +84,35 @@ def run(device: torch.device, models: list[str], global_batch: int, budgets: dic
         while b > plan.micro_batch_size:
             b = max(plan.micro_batch_size, int(b * 0.9))
             attempts += 1
-        plans[name] = {"plan": str(plan), "micro_batch_size": plan.micro_batch_size, "accum_steps": plan.accum_steps,
-                       "budget": plan.budget_bytes, "predicted_peak": plan.predicted_peak_bytes, "fit": plan.fit,
-                       "passes": plan.passes, "seconds": plan_seconds, "retry_on_oom_attempts": attempts}  # fmt: skip
-        for micro in sorted({max(1, plan.micro_batch_size // 4), max(1, plan.micro_batch_size // 2),
-                             plan.micro_batch_size}):  # fmt: skip
+        plans[name] = {
+            "plan": str(plan),
+            "micro_batch_size": plan.micro_batch_size,
+            "accum_steps": plan.accum_steps,
+            "budget": plan.budget_bytes,
+            "predicted_peak": plan.predicted_peak_bytes,
+            "fit": plan.fit,
+            "passes": plan.passes,
+            "seconds": plan_seconds,
+            "retry_on_oom_attempts": attempts,
+        }
+        for micro in sorted(
+            {max(1, plan.micro_batch_size // 4), max(1, plan.micro_batch_size // 2), plan.micro_batch_size}
+        ):
             steps = -(-global_batch // micro)
-            predicted = (sum(v for k, v in plan.breakdown.items() if not k.startswith(("activations", "margin")))
-                         + plan.fit["a"] + plan.fit["c"] * micro)  # fmt: skip
+            predicted = (
+                sum(v for k, v in plan.breakdown.items() if not k.startswith(("activations", "margin")))
+                + plan.fit["a"]
+                + plan.fit["c"] * micro
+            )
             cfg = dict(device=str(device), model=name, micro_batch=micro, accum_steps=steps)
             r = common.in_fresh_process("bench.plan", cfg)
             r.update(predicted_peak=predicted, chosen=micro == plan.micro_batch_size, budget=plan.budget_bytes)
             r["error"] = r["predicted_peak"] / r["measured_peak"] - 1
             rows.append(r)
-            progress(f"  {name} micro-batch {micro:3d} x {steps:3d}: predicted {predicted / 2**20:7.1f} MiB, measured "
-                     f"{r['measured_peak'] / 2**20:7.1f} MiB ({r['error'] * 100:+.1f} %)")  # fmt: skip
+            progress(
+                f"  {name} micro-batch {micro:3d} x {steps:3d}: predicted {predicted / 2**20:7.1f} MiB, measured "
+                f"{r['measured_peak'] / 2**20:7.1f} MiB ({r['error'] * 100:+.1f} %)"
+            )
     return {"plans": plans, "rows": rows}
 
 
@@ -112,14 +126,27 @@ def plot(result: dict, path) -> None:
     for i, name in enumerate(result["plans"]):
         rows = [r for r in result["rows"] if r["model"] == name]
         color = f"C{i}"
-        ax.plot([r["micro_batch"] for r in rows], [r["predicted_peak"] / 2**20 for r in rows], "-", color=color,
-                label=f"{name} predicted")  # fmt: skip
-        ax.plot([r["micro_batch"] for r in rows], [r["measured_peak"] / 2**20 for r in rows], "o", color=color,
-                label=f"{name} measured")  # fmt: skip
+        ax.plot(
+            [r["micro_batch"] for r in rows],
+            [r["predicted_peak"] / 2**20 for r in rows],
+            "-",
+            color=color,
+            label=f"{name} predicted",
+        )
+        ax.plot(
+            [r["micro_batch"] for r in rows],
+            [r["measured_peak"] / 2**20 for r in rows],
+            "o",
+            color=color,
+            label=f"{name} measured",
+        )
         ax.axhline(result["plans"][name]["budget"] / 2**20, color=color, ls=":", lw=0.8)
     ax.set_ylim(0, max(p["budget"] for p in result["plans"].values()) / 2**20 * 1.08)
-    ax.set(xlabel="micro-batch size (samples)", ylabel="peak memory (MiB)",
-           title="plan_window: predicted peak (lines) against measured (dots); budgets dotted")  # fmt: skip
+    ax.set(
+        xlabel="micro-batch size (samples)",
+        ylabel="peak memory (MiB)",
+        title="plan_window: predicted peak (lines) against measured (dots); budgets dotted",
+    )
     ax.title.set_size(9)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -142,10 +169,21 @@ def main(argv=None) -> int:
     budgets = {"gpt-d64": "24MiB", "gpt-d128": "48MiB", "gpt-d256": "160MiB"}
     result = run(device, models, args.global_batch, budgets)
     result["machine"] = common.machine_record(device)
-    print("\n" + common.table(result["rows"], [("model", "model", "s"), ("micro_batch", "micro-batch", "d"),
-                                              ("accum_steps", "N", "d"), ("predicted_peak", "predicted B", ".0f"),
-                                              ("measured_peak", "measured B", ".0f"), ("error", "error", "+.3f"),
-                                              ("chosen", "chosen", "")]))  # fmt: skip
+    print(
+        "\n"
+        + common.table(
+            result["rows"],
+            [
+                ("model", "model", "s"),
+                ("micro_batch", "micro-batch", "d"),
+                ("accum_steps", "N", "d"),
+                ("predicted_peak", "predicted B", ".0f"),
+                ("measured_peak", "measured B", ".0f"),
+                ("error", "error", "+.3f"),
+                ("chosen", "chosen", ""),
+            ],
+        )
+    )
     path = common.write_results(f"plan-{device.type}{'-quick' if args.quick else ''}", result, args.results_dir)
     png = path.with_suffix(".png")
     plot(result, png)

@@ -65,8 +65,11 @@ def _plots(result: dict, folder: Path, stem: str) -> list[Path]:
     for label, points in series.items():
         ax.plot([p[0] / 2**20 for p in points], [p[1] for p in points], marker="o", label=label)
     _powers_of_two(ax, sorted({r["numel"] // 2**20 for r in result["size_sweep"]}))
-    ax.set(xlabel="elements (Mi)", ylabel="GB/s (bytes model)",
-           title=f"bf16 -> fp32 accumulation: one fused pass vs torch's mixed-dtype add_ ({device})")  # fmt: skip
+    ax.set(
+        xlabel="elements (Mi)",
+        ylabel="GB/s (bytes model)",
+        title=f"bf16 -> fp32 accumulation: one fused pass vs torch's mixed-dtype add_ ({device})",
+    )
     ax.title.set_size(9)
     ax.legend(fontsize=8)
     save(fig, "sizes")
@@ -134,7 +137,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present, else cpu)")
     parser.add_argument("--quick", action="store_true", help="small sizes and few repetitions (about a minute)")
-    parser.add_argument("--results-dir", default=None, help="where to write (default bench/results/local/; the committed results: bench/results)")
+    parser.add_argument(
+        "--results-dir",
+        default=None,
+        help="where to write (default bench/results/local/; the committed results: bench/results)",
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     folder = Path(args.results_dir) if args.results_dir else common.RESULTS
@@ -149,7 +156,9 @@ def main(argv=None) -> int:
     import accumkernels
 
     backend = "cuda" if device.type == "cuda" else "cpu"
-    heads = kernels.headline(kernel_result, backend, device.type) if backend in accumkernels.available_backends() else []
+    heads = (
+        kernels.headline(kernel_result, backend, device.type) if backend in accumkernels.available_backends() else []
+    )
 
     print("\n[2/6] size sweep")
     sizes = [2**20, 4 * 2**20] if args.quick else [2**20, 4 * 2**20, 16 * 2**20, 64 * 2**20, 256 * 2**20]
@@ -167,8 +176,16 @@ def main(argv=None) -> int:
     converged = convergence.run(setting)
     convergence_path = common.write_results(f"convergence-{setting}", converged, folder)
 
-    result = {"machine": record, "quick": args.quick, "kernels": kernel_result, "headline": heads,
-              "size_sweep": sweep, "windows": windows, "precision": precision, "trade": trade}  # fmt: skip
+    result = {
+        "machine": record,
+        "quick": args.quick,
+        "kernels": kernel_result,
+        "headline": heads,
+        "size_sweep": sweep,
+        "windows": windows,
+        "precision": precision,
+        "trade": trade,
+    }
     path = common.write_results(stem, result, folder)
     try:
         plots = _plots(result, folder, stem)
@@ -178,18 +195,58 @@ def main(argv=None) -> int:
         print("no plots: matplotlib is not installed")
         plots = []
 
-    print("\n" + common.table(kernel_result["rows"], [("group", "group", "s"), ("name", "path", "s"),
-                                                     ("median_ms", "median ms", ".3f"), ("gbps", "GB/s", ".1f"),
-                                                     ("fraction_of_ceiling", "of ceiling", ".2f")]))  # fmt: skip
+    print(
+        "\n"
+        + common.table(
+            kernel_result["rows"],
+            [
+                ("group", "group", "s"),
+                ("name", "path", "s"),
+                ("median_ms", "median ms", ".3f"),
+                ("gbps", "GB/s", ".1f"),
+                ("fraction_of_ceiling", "of ceiling", ".2f"),
+            ],
+        )
+    )
     print("\n" + common.table(windows, e2e.WINDOWS_TABLE))
-    print("\n" + common.table(precision, [("n_micro", "N", "d"), ("path", "path", "s"),
-                                          ("sum_error", "error vs float64 sum of the same grads", ".1e"),
-                                          ("total_error", "error vs float64 big-batch gradient", ".1e")]))  # fmt: skip
-    print("\n" + common.table(trade, [("n_micro", "N", "d"), ("micro_batch", "micro-batch", "d"), ("path", "path", "s"),
-                                      ("window_ms", "ms/batch", ".1f"), ("peak_mib", "peak MiB", ".1f")]))  # fmt: skip
+    print(
+        "\n"
+        + common.table(
+            precision,
+            [
+                ("n_micro", "N", "d"),
+                ("path", "path", "s"),
+                ("sum_error", "error vs float64 sum of the same grads", ".1e"),
+                ("total_error", "error vs float64 big-batch gradient", ".1e"),
+            ],
+        )
+    )
+    print(
+        "\n"
+        + common.table(
+            trade,
+            [
+                ("n_micro", "N", "d"),
+                ("micro_batch", "micro-batch", "d"),
+                ("path", "path", "s"),
+                ("window_ms", "ms/batch", ".1f"),
+                ("peak_mib", "peak MiB", ".1f"),
+            ],
+        )
+    )
     if heads:
-        print("\n" + common.table(heads, [("figure", f"headline [{backend}]", "s"), ("value", "value", ".2f"),
-                                          ("target", "target", ".2f"), ("met", "met", "")]))  # fmt: skip
+        print(
+            "\n"
+            + common.table(
+                heads,
+                [
+                    ("figure", f"headline [{backend}]", "s"),
+                    ("value", "value", ".2f"),
+                    ("target", "target", ".2f"),
+                    ("met", "met", ""),
+                ],
+            )
+        )
     print("\n" + common.table(converged["rows"], convergence.TABLE))
     for name, why in converged["skipped"].items():
         print(f"not run: {name}: {why}")

@@ -90,8 +90,15 @@ def main() -> int:
     else:
         model = model.to(torch.bfloat16)  # the defaults: stochastic rounding, bf16 moments (10 bytes per param)
         options = dict(sharded=args.sharded, wire_dtype=torch.bfloat16 if args.bf16_wire else torch.float32)
-    opt = ak.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, accum_steps=args.accum_steps, normalize="items",
-                   max_grad_norm=1.0, **options)  # fmt: skip
+    opt = ak.AdamW(
+        model.parameters(),
+        lr=3e-3,
+        weight_decay=0.1,
+        accum_steps=args.accum_steps,
+        normalize="items",
+        max_grad_norm=1.0,
+        **options,
+    )
     chain = markov_chain()
     g = torch.Generator().manual_seed(1000 + rank)  # each rank its own micro-batches
     step = 0
@@ -123,14 +130,19 @@ def main() -> int:
             stats = torch.stack([window_loss, window_tokens])
             dist.all_reduce(stats)  # for the log line only
             if rank == 0 and ((step // args.accum_steps) % 10 in (0, 1) or step == total_steps):
-                print(f"window {step // args.accum_steps:4d}  loss/token {stats[0] / stats[1]:.4f}  "
-                      f"grad norm {opt.last_grad_norm:.3f}", flush=True)  # fmt: skip
+                print(
+                    f"window {step // args.accum_steps:4d}  loss/token {stats[0] / stats[1]:.4f}  "
+                    f"grad norm {opt.last_grad_norm:.3f}",
+                    flush=True,
+                )
             window_loss.zero_()
             window_tokens.zero_()
         if path is not None and step == total_steps // 2 + 1:  # a mid-window checkpoint
             path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "generator": g.get_state(),
-                        "step": step}, path)  # fmt: skip
+            torch.save(
+                {"model": model.state_dict(), "optimizer": opt.state_dict(), "generator": g.get_state(), "step": step},
+                path,
+            )
     dist.barrier()  # every rank past its last collective before any leaves
     dist.destroy_process_group()
     return 0

@@ -80,7 +80,8 @@ TARGETS = [(name, "cpu") for name in CPU_BACKENDS] + [
 
 def pytest_report_header(config):
     return [
-        f"accumkernels: seed {SEED} (replay: ACCUMKERNELS_TEST_SEED={SEED}), backends {accumkernels.available_backends()}, "
+        f"accumkernels: seed {SEED} (replay: ACCUMKERNELS_TEST_SEED={SEED}), "
+        f"backends {accumkernels.available_backends()}, "
         f"cpu isa {_native.cpu_isa()}, torch {torch.__version__}"
     ]
 

@@ -8,8 +8,8 @@ and takes one big step on the mean (or item-weighted mean) of their losses.
 
 from __future__ import annotations
 
-import copy
 import contextlib
+import copy
 import datetime
 import os
 
@@ -166,8 +166,12 @@ def count(cfg, rank, world):
             in_backward.append(counters[0].total())
     side = {id(p) for p in model.side.parameters()}
     side_buckets = sum(any(id(r.param) in side for r in b.records) for b in opt._layout.buckets)
-    return {"per_micro": per_micro, "in_backward": in_backward, "buckets": len(opt._layout.buckets),
-            "side_buckets": side_buckets}
+    return {
+        "per_micro": per_micro,
+        "in_backward": in_backward,
+        "buckets": len(opt._layout.buckets),
+        "side_buckets": side_buckets,
+    }
 
 
 def inf_skip(cfg, rank, world):
@@ -203,7 +207,11 @@ def resume(cfg, rank, world):
     for w in range(1, WINDOWS):
         for m in range(2 if w == 1 else 0, N_MICRO):
             micro_step(cfg, model, opt, w, m, rank)
-    return {"straight": straight, "resumed": params_of(model), "micro_steps_saved": saved[1]["accumkernels"]["micro_steps"]}
+    return {
+        "straight": straight,
+        "resumed": params_of(model),
+        "micro_steps_saved": saved[1]["accumkernels"]["micro_steps"],
+    }
 
 
 def _counting_comm_hook(calls: list):
@@ -253,8 +261,9 @@ def framework_loop(cfg, rank, world):
     .grad holds the window's gradient averaged over ranks after the last
     backward, so the clip sees the global norm."""
     model = Net()
-    opt = ak.AccumulatingOptimizer(make_optimizer(cfg["optimizer"], model.parameters()), bucket_cap_mb=BUCKET_MB,
-                                   backend=cfg["backend"])  # fmt: skip
+    opt = ak.AccumulatingOptimizer(
+        make_optimizer(cfg["optimizer"], model.parameters()), bucket_cap_mb=BUCKET_MB, backend=cfg["backend"]
+    )
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     calls = [0]
     ddp.register_comm_hook(None, _counting_comm_hook(calls))
@@ -282,8 +291,11 @@ def reference_norms(cfg, world):
     norms = []
     for w in range(WINDOWS):
         opt.zero_grad()
-        total = sum(model.loss(*micro_batch(cfg["seed"], w, r, m, False), r % 2 == 1)
-                    for r in range(world) for m in range(N_MICRO))  # fmt: skip
+        total = sum(
+            model.loss(*micro_batch(cfg["seed"], w, r, m, False), r % 2 == 1)
+            for r in range(world)
+            for m in range(N_MICRO)
+        )
         (total / (world * N_MICRO)).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])))
         opt.step()
@@ -358,9 +370,17 @@ def wire(cfg, rank, world):
     return {"flat": flat.clone(), "shards": shards}
 
 
-SCENARIOS = {"wire": wire, "parity": parity, "count": count, "inf_skip": inf_skip, "resume": resume,
-             "ddp_taken_over": ddp_taken_over, "framework_loop": framework_loop, "misuse": misuse,
-             "modes_agree": modes_agree}
+SCENARIOS = {
+    "wire": wire,
+    "parity": parity,
+    "count": count,
+    "inf_skip": inf_skip,
+    "resume": resume,
+    "ddp_taken_over": ddp_taken_over,
+    "framework_loop": framework_loop,
+    "misuse": misuse,
+    "modes_agree": modes_agree,
+}
 
 
 def run_cases(rank: int, world: int, init_file: str, out_dir: str, cases: dict, run_case) -> None:
@@ -368,8 +388,9 @@ def run_cases(rank: int, world: int, init_file: str, out_dir: str, cases: dict, 
     each case (every rank in step), save this rank's results in ``out_dir``."""
     torch.set_num_threads(1)
     # A bounded timeout: a test that desynchronizes the ranks fails instead of hanging CI.
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+    )
     try:
         results = {}
         for key, cfg in cases.items():

@@ -60,8 +60,15 @@ def tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -91,10 +98,20 @@ def hf_trainer(wrap: bool, max_grad_norm: float, peft: bool = False, unfreeze: b
 
     # TrainingArguments first: under torchrun it initializes torch.distributed,
     # which the wrapper must see when it is built.
-    args = TrainingArguments(output_dir=os.environ.get("TMPDIR", "/tmp") + "/ak-hf", per_device_train_batch_size=2,
-                             gradient_accumulation_steps=4, max_steps=3, max_grad_norm=max_grad_norm, logging_steps=1,
-                             report_to="none", use_cpu=True, save_strategy="no", seed=0, dataloader_drop_last=True,
-                             ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None)  # fmt: skip
+    args = TrainingArguments(
+        output_dir=os.environ.get("TMPDIR", "/tmp") + "/ak-hf",
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=4,
+        max_steps=3,
+        max_grad_norm=max_grad_norm,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+        dataloader_drop_last=True,
+        ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
+    )
     model = tiny_llama()
     if peft:
         from peft import LoraConfig, get_peft_model
@@ -115,14 +132,19 @@ def hf_trainer(wrap: bool, max_grad_norm: float, peft: bool = False, unfreeze: b
     trainable = [p for p in model.parameters() if p.requires_grad or unfreeze]
     opt = make_optimizer(trainable, wrap)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    trainer = Trainer(model=model, args=args, train_dataset=TokenData(), optimizers=(opt, scheduler),
-                      callbacks=callbacks)  # fmt: skip
+    trainer = Trainer(
+        model=model, args=args, train_dataset=TokenData(), optimizers=(opt, scheduler), callbacks=callbacks
+    )
     trainer.train()
     if unfreeze:
         assert embedding.requires_grad
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    return {"params": params_of(model), "grad_norms": [h.get("grad_norm") for h in logs],
-            "lrs": [h.get("learning_rate") for h in logs], "intake": getattr(opt, "intake", None)}  # fmt: skip
+    return {
+        "params": params_of(model),
+        "grad_norms": [h.get("grad_norm") for h in logs],
+        "lrs": [h.get("learning_rate") for h in logs],
+        "intake": getattr(opt, "intake", None),
+    }
 
 
 # ---- Accelerate ------------------------------------------------------------------
@@ -147,8 +169,12 @@ def accelerate_loop(wrap: bool, mixed_precision: str = "no") -> dict:
             opt.step()
             scheduler.step()
             opt.zero_grad()
-    return {"params": params_of(accelerator.unwrap_model(model)), "grad_norms": norms,
-            "lrs": scheduler.get_last_lr(), "world": accelerator.num_processes}  # fmt: skip
+    return {
+        "params": params_of(accelerator.unwrap_model(model)),
+        "grad_norms": norms,
+        "lrs": scheduler.get_last_lr(),
+        "world": accelerator.num_processes,
+    }
 
 
 def accelerate_skipped_window(wrap: bool) -> dict:
@@ -223,12 +249,24 @@ def lightning(wrap: bool, precision: str, manual: bool = False) -> dict:
         options["plugins"] = [MixedPrecision("16-mixed", "cpu")]
     else:
         options["precision"] = precision
-    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, enable_progress_bar=False, logger=False,
-                         enable_checkpointing=False, enable_model_summary=False, **options)  # fmt: skip
+    trainer = pl.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        **options,
+    )
     trainer.fit(module, loader)
     scaler = getattr(trainer.precision_plugin, "scaler", None)
-    return {"params": params_of(module.net), "norms": module.norms, "logged_norms": module.logged,
-            "scaler": type(scaler).__name__ if scaler is not None else None}  # fmt: skip
+    return {
+        "params": params_of(module.net),
+        "norms": module.norms,
+        "logged_norms": module.logged,
+        "scaler": type(scaler).__name__ if scaler is not None else None,
+    }
 
 
 # ---- a GradScaler the wrapper was not given, in the user's own loop ------------------
@@ -276,15 +314,32 @@ def hf_trainer_class(wrap: bool) -> dict:
     shutil.rmtree(folder, ignore_errors=True)
 
     def trainer():
-        args = TrainingArguments(output_dir=folder, per_device_train_batch_size=2, gradient_accumulation_steps=4,
-                                 max_steps=4, learning_rate=5e-3, weight_decay=0.1, lr_scheduler_type="cosine",
-                                 warmup_steps=2, max_grad_norm=CLIP, bf16=True, logging_steps=1, report_to="none",
-                                 use_cpu=True, save_strategy="steps", save_steps=2, seed=0,
-                                 dataloader_drop_last=True, adam_epsilon=ADAM_EPS)  # fmt: skip
+        args = TrainingArguments(
+            output_dir=folder,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=4,
+            max_steps=4,
+            learning_rate=5e-3,
+            weight_decay=0.1,
+            lr_scheduler_type="cosine",
+            warmup_steps=2,
+            max_grad_norm=CLIP,
+            bf16=True,
+            logging_steps=1,
+            report_to="none",
+            use_cpu=True,
+            save_strategy="steps",
+            save_steps=2,
+            seed=0,
+            dataloader_drop_last=True,
+            adam_epsilon=ADAM_EPS,
+        )
         kwargs = {}
         if wrap:
-            kwargs["optimizer_cls_and_kwargs"] = (ak.AdamW, {"lr": args.learning_rate, "eps": args.adam_epsilon,
-                                                             "betas": (args.adam_beta1, args.adam_beta2)})  # fmt: skip
+            kwargs["optimizer_cls_and_kwargs"] = (
+                ak.AdamW,
+                {"lr": args.learning_rate, "eps": args.adam_epsilon, "betas": (args.adam_beta1, args.adam_beta2)},
+            )
         return Trainer(model=tiny_llama(), args=args, train_dataset=TokenData(), **kwargs)
 
     straight = trainer()
@@ -293,10 +348,14 @@ def hf_trainer_class(wrap: bool) -> dict:
     resumed = trainer()
     resumed.train(resume_from_checkpoint=os.path.join(folder, "checkpoint-2"))
     shutil.rmtree(folder, ignore_errors=True)
-    return {"params": params_of(straight.model), "resumed": params_of(resumed.model),
-            "grad_norms": [h.get("grad_norm") for h in logs], "lrs": [h.get("learning_rate") for h in logs],
-            "weight_decays": sorted(g["weight_decay"] for g in straight.optimizer.param_groups),
-            "class": type(getattr(straight.optimizer, "optimizer", straight.optimizer)).__name__}  # fmt: skip
+    return {
+        "params": params_of(straight.model),
+        "resumed": params_of(resumed.model),
+        "grad_norms": [h.get("grad_norm") for h in logs],
+        "lrs": [h.get("learning_rate") for h in logs],
+        "weight_decays": sorted(g["weight_decay"] for g in straight.optimizer.param_groups),
+        "class": type(getattr(straight.optimizer, "optimizer", straight.optimizer)).__name__,
+    }
 
 
 def lightning_class(wrap: bool) -> dict:
@@ -332,9 +391,17 @@ def lightning_class(wrap: bool) -> dict:
 
     def fit(epochs, ckpt=None):
         module = Module()
-        trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, enable_progress_bar=False,
-                             logger=False, enable_checkpointing=False, enable_model_summary=False,
-                             accumulate_grad_batches=4, gradient_clip_val=CLIP)  # fmt: skip
+        trainer = pl.Trainer(
+            max_epochs=epochs,
+            accelerator="cpu",
+            devices=1,
+            enable_progress_bar=False,
+            logger=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            accumulate_grad_batches=4,
+            gradient_clip_val=CLIP,
+        )
         trainer.fit(module, loader, ckpt_path=ckpt)
         return module, trainer
 
@@ -425,9 +492,17 @@ def accum_steps_under_frameworks() -> dict:
     before = params_of(module.net)
     x, y = regression_data()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
-    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, enable_progress_bar=False, logger=False,
-                         enable_checkpointing=False, enable_model_summary=False, accumulate_grad_batches=4,
-                         gradient_clip_val=CLIP)  # fmt: skip
+    trainer = pl.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        accumulate_grad_batches=4,
+        gradient_clip_val=CLIP,
+    )
     out["lightning"] = _error_of(lambda: trainer.fit(module, loader))
     out["lightning_moved"] = params_of(module.net) != before
 
@@ -449,23 +524,40 @@ def accum_steps_under_frameworks() -> dict:
 
     from transformers import Trainer, TrainingArguments
 
-    args = TrainingArguments(output_dir=os.environ.get("TMPDIR", "/tmp") + "/ak-hf-refusal", per_device_train_batch_size=2,
-                             gradient_accumulation_steps=4, max_steps=2, report_to="none", use_cpu=True,
-                             save_strategy="no", seed=0)  # fmt: skip
+    args = TrainingArguments(
+        output_dir=os.environ.get("TMPDIR", "/tmp") + "/ak-hf-refusal",
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=4,
+        max_steps=2,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+    )
     llama = tiny_llama()
     hf_opt = make_optimizer(llama.parameters(), True, accum_steps=4)
-    trainer = Trainer(model=llama, args=args, train_dataset=TokenData(),
-                      optimizers=(hf_opt, torch.optim.lr_scheduler.LambdaLR(hf_opt, lambda s: 1.0)))  # fmt: skip
+    trainer = Trainer(
+        model=llama,
+        args=args,
+        train_dataset=TokenData(),
+        optimizers=(hf_opt, torch.optim.lr_scheduler.LambdaLR(hf_opt, lambda s: 1.0)),
+    )
     out["hf_trainer"] = _error_of(trainer.train)
     return out
 
 
 SINGLE_RUNS = {"accum_steps_under_frameworks": accum_steps_under_frameworks}
 
-RUNS = {"hf_trainer_class": hf_trainer_class, "lightning_class": lightning_class, "accelerate_state": accelerate_state,
-        "hf_trainer": hf_trainer, "accelerate_loop": accelerate_loop,
-        "accelerate_skipped_window": accelerate_skipped_window, "lightning": lightning,
-        "own_loop_scaler": own_loop_scaler}  # fmt: skip
+RUNS = {
+    "hf_trainer_class": hf_trainer_class,
+    "lightning_class": lightning_class,
+    "accelerate_state": accelerate_state,
+    "hf_trainer": hf_trainer,
+    "accelerate_loop": accelerate_loop,
+    "accelerate_skipped_window": accelerate_skipped_window,
+    "lightning": lightning,
+    "own_loop_scaler": own_loop_scaler,
+}
 
 
 def main() -> None:

@@ -29,8 +29,9 @@ class Net(nn.Module):
     def __init__(self, width: int = 32) -> None:
         super().__init__()
         torch.manual_seed(1234)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(12 if i == 0 else width, width), nn.LayerNorm(width),
-                                                  nn.GELU()) for i in range(2))  # fmt: skip
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(12 if i == 0 else width, width), nn.LayerNorm(width), nn.GELU()) for i in range(2)
+        )
         self.head = nn.Linear(width, 3)
 
     def forward(self, x):
@@ -64,8 +65,12 @@ def wrapped_model(cfg, mesh, **options):
     if cfg.get("storage") == "bf16":
         model = model.to(torch.bfloat16)
     shard(model, mesh, DTYPES.get(cfg.get("param_dtype")), DTYPES.get(cfg.get("reduce_dtype")))
-    opt = ak.AccumulatingOptimizer(make_optimizer(model.parameters(), cfg.get("optimizer", "adamw")),
-                                   accum_steps=N_MICRO, backend=cfg["backend"], **options)  # fmt: skip
+    opt = ak.AccumulatingOptimizer(
+        make_optimizer(model.parameters(), cfg.get("optimizer", "adamw")),
+        accum_steps=N_MICRO,
+        backend=cfg["backend"],
+        **options,
+    )
     return model, opt
 
 
@@ -131,6 +136,7 @@ def _shard_recorder(model, sums):
     """A hook before the wrapper's on every sharded param: the float64 sum of
     the shards FSDP2 hands over, micro-step by micro-step."""
     for i, p in enumerate(model.parameters()):
+
         def record(param, i=i):
             if param.grad is not None:
                 g = param.grad._local_tensor.double()
@@ -149,8 +155,11 @@ def bf16_shards(cfg, rank, world, mesh):
         sums = {}
         _shard_recorder(model, sums)
         params = list(model.parameters())
-        opt = ak.AccumulatingOptimizer(make_optimizer(params), accum_steps=N_MICRO, backend=cfg["backend"]) \
-            if path == "ours" else None  # fmt: skip
+        opt = (
+            ak.AccumulatingOptimizer(make_optimizer(params), accum_steps=N_MICRO, backend=cfg["backend"])
+            if path == "ours"
+            else None
+        )
         for m in range(N_MICRO):
             x, y = micro_batch(cfg["seed"], 0, rank, m)
             F.mse_loss(model(x.bfloat16()), y).backward()
@@ -248,13 +257,15 @@ def buffer_bytes(cfg, rank, world, mesh):
     shard(model, mesh)
     full = sum(p.numel() for p in model.parameters()) * 4
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        opt = ak.AccumulatingOptimizer(make_optimizer(model.parameters()), accum_steps=N_MICRO, backend=cfg["backend"],
-                                       seed=0)  # fmt: skip
+        opt = ak.AccumulatingOptimizer(
+            make_optimizer(model.parameters()), accum_steps=N_MICRO, backend=cfg["backend"], seed=0
+        )
     allocated = sum(e.self_cpu_memory_usage for e in prof.events())
     # Each bucket holds the params of one fully_shard module: folded as soon as
     # that module's reduce-scatter hands its shards over.
-    modules = {id(p): name for name, m in (("block0", model.blocks[0]), ("block1", model.blocks[1]))
-               for p in m.parameters()}  # fmt: skip
+    modules = {
+        id(p): name for name, m in (("block0", model.blocks[0]), ("block1", model.blocks[1])) for p in m.parameters()
+    }
     buckets = [sorted({modules.get(id(r.param), "root") for r in b.records}) for b in opt._layout.buckets]
     return {"allocated": allocated, "full_fp32": full, "flat": opt._layout.flat.numel() * 4, "buckets": buckets}
 
@@ -272,11 +283,16 @@ def refusals(cfg, rank, world, mesh):
             errors[name] = str(e)
 
     attempt("sharded", lambda: ak.AccumulatingOptimizer(make_optimizer(model.parameters()), 4, sharded=True))
-    attempt("process_group", lambda: ak.AccumulatingOptimizer(make_optimizer(model.parameters()), 4,
-                                                              process_group=dist.group.WORLD))  # fmt: skip
+    attempt(
+        "process_group",
+        lambda: ak.AccumulatingOptimizer(make_optimizer(model.parameters()), 4, process_group=dist.group.WORLD),
+    )
     attempt("grad_intake", lambda: ak.AccumulatingOptimizer(make_optimizer(model.parameters())))
     plain = nn.Linear(3, 3)
-    attempt("mixed", lambda: ak.AccumulatingOptimizer(make_optimizer(list(model.parameters()) + list(plain.parameters())), 4))
+    attempt(
+        "mixed",
+        lambda: ak.AccumulatingOptimizer(make_optimizer(list(model.parameters()) + list(plain.parameters())), 4),
+    )
     mesh2 = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
     hsdp = Net()
     fully_shard(hsdp, mesh=mesh2)
@@ -289,14 +305,22 @@ def refusals(cfg, rank, world, mesh):
     return errors
 
 
-SCENARIOS = {"parity": parity, "bf16_shards": bf16_shards, "inf_skip": inf_skip, "resume": resume,
-             "dcp_round_trip": dcp_round_trip, "buffer_bytes": buffer_bytes, "refusals": refusals}  # fmt: skip
+SCENARIOS = {
+    "parity": parity,
+    "bf16_shards": bf16_shards,
+    "inf_skip": inf_skip,
+    "resume": resume,
+    "dcp_round_trip": dcp_round_trip,
+    "buffer_bytes": buffer_bytes,
+    "refusals": refusals,
+}
 
 
 def main(rank: int, world: int, init_file: str, out_dir: str, cases: dict) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+    )
     mesh = init_device_mesh("cpu", (world,))
     results = {}
     for key, cfg in cases.items():

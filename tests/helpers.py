@@ -47,9 +47,15 @@ def assert_rounded_close(actual: torch.Tensor, expected64: torch.Tensor, magnitu
     ``magnitude``, the size of the rounded terms), which may carry the value
     across a rounding boundary."""
     err = (actual.double() - expected64).abs()
-    tol = ulp(actual.dtype) * expected64.abs() + ulps32 * ulp(torch.float32) * magnitude64 + torch.finfo(actual.dtype).tiny
+    tol = (
+        ulp(actual.dtype) * expected64.abs()
+        + ulps32 * ulp(torch.float32) * magnitude64
+        + torch.finfo(actual.dtype).tiny
+    )
     bad = err > tol
-    assert not bad.any(), f"{int(bad.sum())} elements off by more than one {actual.dtype} ulp; max err {err.max().item()}"
+    assert not bad.any(), (
+        f"{int(bad.sum())} elements off by more than one {actual.dtype} ulp; max err {err.max().item()}"
+    )
 
 
 # ---- float64 references of the formulas (independent of the package) -------
@@ -109,5 +115,7 @@ def assert_within_summation_noise(ours, reference, alternates, steps: int) -> No
     noise = max(rel_diff(alternate, reference) for alternate in alternates)
     bound = max(NOISE_FACTOR * noise, STEP_ULPS * steps * ulp(torch.float32))
     got = rel_diff(ours, reference)
-    assert got <= bound, (f"{got:.3g} from the reference, more than {NOISE_FACTOR} x its own summation-order "
-                          f"noise {noise:.3g} (or {STEP_ULPS} ulps a step)")  # fmt: skip
+    assert got <= bound, (
+        f"{got:.3g} from the reference, more than {NOISE_FACTOR} x its own summation-order "
+        f"noise {noise:.3g} (or {STEP_ULPS} ulps a step)"
+    )

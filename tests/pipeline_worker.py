@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from distributed_worker import run_cases
 from torch import nn
 from torch.nn import functional as F
 
 import accumkernels as ak
-from distributed_worker import run_cases
 
 WINDOWS, MICRO, BATCH = 3, 4, 16
 
@@ -121,8 +121,13 @@ def mesh_pp_dp(cfg, rank, world):
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     found, opt = train_pipeline(cfg, pp_rank, dp_rank, mesh["pp"].get_group(), {})
     given, given_opt = train_pipeline(cfg, pp_rank, dp_rank, mesh["pp"].get_group(), {"process_group": mesh["dp"]})
-    out = {"pp_rank": pp_rank, "params": found, "given": given, "world_size": opt.world_size,
-           "given_world_size": given_opt.world_size}  # fmt: skip
+    out = {
+        "pp_rank": pp_rank,
+        "params": found,
+        "given": given,
+        "world_size": opt.world_size,
+        "given_world_size": given_opt.world_size,
+    }
     if rank == 0:
         out["reference"] = reference(cfg, 2)
         out["alternates"] = [reference(cfg, 2, order) for order in ("reverse", "rolled")]

@@ -43,8 +43,21 @@ NUMERIC_MODULES = [
 
 
 def command(modules: list[str], workers: int) -> list[str]:
-    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(workers), "--dist", "loadscope",
-            "-m", "not slow", *modules]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-n",
+        str(workers),
+        "--dist",
+        "loadscope",
+        "-m",
+        "not slow",
+        *modules,
+    ]
 
 
 def main() -> int:
@@ -69,8 +82,11 @@ def main() -> int:
             print(done.stdout[-20000:], flush=True)
             replay = " ".join(shlex.quote(c) for c in cmd).replace(sys.executable, ".venv/bin/python")
             print(f"replay: ACCUMKERNELS_TEST_SEED={seed} {replay}", flush=True)
-    print(f"seed sweep: {len(seeds) - len(failed)} passed, {len(failed)} failed "
-          f"({time.monotonic() - start:.0f} s){f'; failing seeds {failed}' if failed else ''}", flush=True)  # fmt: skip
+    print(
+        f"seed sweep: {len(seeds) - len(failed)} passed, {len(failed)} failed "
+        f"({time.monotonic() - start:.0f} s){f'; failing seeds {failed}' if failed else ''}",
+        flush=True,
+    )
     return 1 if failed else 0
 
 

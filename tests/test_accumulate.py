@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import DTYPE_IDS, SIZES, assert_fp32_close, randn, random_sizes
 
 import accumkernels as ak
-from helpers import DTYPE_IDS, SIZES, assert_fp32_close, randn, random_sizes
 
 GRAD_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 

@@ -14,8 +14,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _quick_run(module: str, results: Path) -> subprocess.CompletedProcess:
     """`python -m <module> --quick --device cpu`, which must succeed."""
-    out = subprocess.run([sys.executable, "-m", module, "--quick", "--device", "cpu", "--results-dir", str(results)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", module, "--quick", "--device", "cpu", "--results-dir", str(results)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return out
 
@@ -39,8 +44,13 @@ def test_suite_quick_mode(native_only, tmp_path):
     the batch/micro-batch trade, JSON and plots, in about a minute."""
     _quick_run("bench.run", tmp_path)
     result = json.loads((tmp_path / "suite-cpu-quick.json").read_text())
-    assert {r["path"] for r in result["windows"]} == {"plain-bf16", "plain-autocast", "ours-hooks", "ours-grad",
-                                                      "ours-master"}  # fmt: skip
+    assert {r["path"] for r in result["windows"]} == {
+        "plain-bf16",
+        "plain-autocast",
+        "ours-hooks",
+        "ours-grad",
+        "ours-master",
+    }
     assert all(r["window_ms"] > 0 and r["peak_mib"] >= 0 for r in result["windows"] + result["trade"])
     # The wrapper's fp32 accumulation adds far less error than bf16 .grad (N = 16 here) ...
     n16 = {r["path"]: r for r in result["precision"] if r["n_micro"] == 16}
@@ -48,16 +58,20 @@ def test_suite_quick_mode(native_only, tmp_path):
         assert n16[intake]["sum_error"] * 100 <= n16["plain-bf16"]["sum_error"]
         # ... but the bf16 backward's own error stays: far above fp32 compute's.
         assert n16[intake]["total_error"] > 100 * n16["plain-fp32"]["total_error"]
-    assert {p.name for p in tmp_path.glob("*.png")} == {f"suite-cpu-quick-{k}.png" for k in
-                                                       ("sizes", "windows", "precision", "trade")} | {
-        "convergence-quick.png"}  # fmt: skip
+    assert {p.name for p in tmp_path.glob("*.png")} == {
+        f"suite-cpu-quick-{k}.png" for k in ("sizes", "windows", "precision", "trade")
+    } | {"convergence-quick.png"}
     # Convergence: the training state each recipe keeps, measured on its objects (bytes per param):
     # fp32 params, .grad and two moments; bf16 params, .grad and torch's bf16 moments; the wrapper's
     # defaults on bf16 params (bf16 params and moments, fp32 buffers); remainders (fp32 moments, +2).
     converged = json.loads((tmp_path / "convergence-quick.json").read_text())
     rows = {r["recipe"]: r for r in converged["rows"]}
-    assert {name: rows[name]["bytes_per_param"] for name in rows} == {"fp32": 16.0, "bf16-plain": 8.0, "ours": 10.0,
-                                                                      "ours-remainders": 16.0}  # fmt: skip
+    assert {name: rows[name]["bytes_per_param"] for name in rows} == {
+        "fp32": 16.0,
+        "bf16-plain": 8.0,
+        "ours": 10.0,
+        "ours-remainders": 16.0,
+    }
     untrained = 5.5452  # ln(256): a byte-level model that knows nothing
     assert all(r["held_out_loss"] < untrained for r in converged["rows"]), "every recipe learns"
     assert rows["fp32"]["vs_fp32"] == 0

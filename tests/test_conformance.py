@@ -50,8 +50,9 @@ INFOS = {info.optim_cls: info for info in optim_db if info.optim_cls in OURS}
 def _inputs():
     cases = []
     for cls, info in INFOS.items():
-        for i, oi in enumerate(_get_optim_inputs_including_global_cliquey_kwargs("cpu", torch.float32, info,
-                                                                                  skip=("differentiable",))):  # fmt: skip
+        for i, oi in enumerate(
+            _get_optim_inputs_including_global_cliquey_kwargs("cpu", torch.float32, info, skip=("differentiable",))
+        ):
             flags = "-".join(f for f in ("foreach", "fused") if oi.kwargs.get(f)) or "forloop"
             cases.append(pytest.param(cls, oi.kwargs, id=f"{cls.__name__}-{i}-{oi.desc.replace(' ', '_')}-{flags}"))
     return cases
@@ -177,8 +178,9 @@ def test_goes_the_right_direction(cls, kwargs, way):
     gen = torch.Generator().manual_seed(1)
     params = _params(True, gen)
     x = torch.randn(5, generator=gen)
-    opt = _build(way, cls, params, dict(_kwargs(kwargs), lr=torch.tensor(0.01) if torch.is_tensor(kwargs.get("lr"))
-                                         else 0.01))  # fmt: skip
+    opt = _build(
+        way, cls, params, dict(_kwargs(kwargs), lr=torch.tensor(0.01) if torch.is_tensor(kwargs.get("lr")) else 0.01)
+    )
     sign = -1.0 if kwargs.get("maximize") else 1.0  # maximize: the objective -loss rises, so the loss falls
     initial = _loss(params, x).item()
     for _ in range(20):
@@ -254,7 +256,8 @@ def _windows(way, params, opt, *, windows, seed):
 
 def _assert_same_state_dict(a, b):
     assert a["param_groups"] == b["param_groups"] or all(
-        {k: v for k, v in ga.items() if not torch.is_tensor(v)} == {k: v for k, v in gb.items() if not torch.is_tensor(v)}
+        {k: v for k, v in ga.items() if not torch.is_tensor(v)}
+        == {k: v for k, v in gb.items() if not torch.is_tensor(v)}
         for ga, gb in zip(a["param_groups"], b["param_groups"])
     )
     for i, state in a["state"].items():
@@ -303,7 +306,9 @@ def _error_cases():
     cases = []
     for cls, info in INFOS.items():
         for i, e in enumerate(info.optim_error_inputs_func(device="cpu", dtype=torch.float32)):
-            cases.append(pytest.param(cls, e, id=f"{cls.__name__}-{i}-{e.optimizer_error_input.desc[:40].replace(' ', '_')}"))
+            cases.append(
+                pytest.param(cls, e, id=f"{cls.__name__}-{i}-{e.optimizer_error_input.desc[:40].replace(' ', '_')}")
+            )
     return cases
 
 
@@ -322,8 +327,9 @@ def test_error_inputs_as_torch(cls, error):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             OURS[cls](params, **oi.kwargs)
-        assert any(issubclass(w.category, error.error_type) and re.search(error.error_regex, str(w.message))
-                   for w in caught), [str(w.message) for w in caught]  # fmt: skip
+        assert any(
+            issubclass(w.category, error.error_type) and re.search(error.error_regex, str(w.message)) for w in caught
+        ), [str(w.message) for w in caught]
     else:
         with pytest.raises(error.error_type, match=error.error_regex):
             OURS[cls](params, **oi.kwargs)

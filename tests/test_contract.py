@@ -26,7 +26,6 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 import accumkernels as ak
 
@@ -286,10 +285,13 @@ def test_plan_window_leaves_the_model_as_it_was():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
     opt = torch.optim.AdamW(model.parameters())
-    ak.plan_window(model, lambda m, b: m(torch.randn(b, 6)).pow(2).mean(), global_batch=16, memory_budget="1GiB",
-                   optimizer=opt)  # fmt: skip
+    ak.plan_window(
+        model, lambda m, b: m(torch.randn(b, 6)).pow(2).mean(), global_batch=16, memory_budget="1GiB", optimizer=opt
+    )
     after = model.state_dict()
-    assert all(torch.equal(before[k], after[k]) for k in before), [k for k in before if not torch.equal(before[k], after[k])]
+    assert all(torch.equal(before[k], after[k]) for k in before), [
+        k for k in before if not torch.equal(before[k], after[k])
+    ]
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(p.grad is None for p in model.parameters()) and not opt.state
 
@@ -297,11 +299,21 @@ def test_plan_window_leaves_the_model_as_it_was():
 def test_messages_name_what_to_do():
     model = nn.Linear(2, 2)
     with pytest.raises(TypeError, match="pass torch.optim.AdamW"):
-        ak.plan_window(model, lambda m, b: m(torch.randn(b, 2)).sum(), global_batch=4, memory_budget="1GiB",
-                       optimizer=ak.AdamW(nn.Linear(2, 2).parameters()))  # fmt: skip
+        ak.plan_window(
+            model,
+            lambda m, b: m(torch.randn(b, 2)).sum(),
+            global_batch=4,
+            memory_budget="1GiB",
+            optimizer=ak.AdamW(nn.Linear(2, 2).parameters()),
+        )
     with pytest.raises(ValueError, match=r"\d+ B short"):
-        ak.plan_window(model, lambda m, b: m(torch.randn(b, 2)).sum(), global_batch=4, memory_budget=100,
-                       optimizer=torch.optim.AdamW(model.parameters()))  # fmt: skip
+        ak.plan_window(
+            model,
+            lambda m, b: m(torch.randn(b, 2)).sum(),
+            global_batch=4,
+            memory_budget=100,
+            optimizer=torch.optim.AdamW(model.parameters()),
+        )
     with pytest.raises(RuntimeError, match="pass every param group when building AdamW"):
         ak.AdamW(nn.Linear(2, 2).parameters()).add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
     with pytest.raises(ValueError, match="stochastic_rounding=True rounds bf16 params.*torch.float16"):

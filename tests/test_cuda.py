@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_fp32_close, random_sizes
 
 import accumkernels as ak
 from accumkernels import _native
-from helpers import assert_fp32_close, random_sizes
 
 ROOT = Path(__file__).resolve().parent.parent
 OPS = ["accumulate_", "sgd_step_and_zero_", "adam_step_and_zero_", "adamw_step_and_zero_", "grad_norm"]
@@ -48,8 +48,13 @@ def test_a_gpu_gets_the_cuda_build():
 
 
 def test_build_refuses_a_missing_toolkit_when_cuda_is_required():
-    out = subprocess.run([sys.executable, "setup.py", "--name"], cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ, "CUDA_HOME": "/nonexistent", "ACCUMKERNELS_REQUIRE_CUDA": "1"})  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "setup.py", "--name"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "CUDA_HOME": "/nonexistent", "ACCUMKERNELS_REQUIRE_CUDA": "1"},
+    )
     assert out.returncode != 0
     assert "cannot be built" in out.stderr and ("CUDA toolkit" in out.stderr or "CPU-only" in out.stderr)
 
@@ -70,8 +75,9 @@ def test_accumulate(backend, device, overwrite):
     expected = [(0 if overwrite else b.double()) + 0.5 * g.double() for b, g in zip(buffers, grads)]
     magnitude = [(0 if overwrite else b.double().abs()) + 0.5 * g.double().abs() for b, g in zip(buffers, grads)]
     found_inf = torch.zeros(1, device=device)
-    ak.accumulate_(buffers, grads, torch.tensor([0.5], device=device), overwrite=overwrite, found_inf=found_inf,
-                   backend=backend)  # fmt: skip
+    ak.accumulate_(
+        buffers, grads, torch.tensor([0.5], device=device), overwrite=overwrite, found_inf=found_inf, backend=backend
+    )
     assert found_inf.item() == 1.0
     for i, (b, e, m) in enumerate(zip(buffers, expected, magnitude)):
         if i == 5:
@@ -81,8 +87,14 @@ def test_accumulate(backend, device, overwrite):
 
 
 # (param dtype, master weights: False, True (fp32) or "remainders" (int16, bf16 params))
-PARAM_KINDS = [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True), (torch.bfloat16, "remainders"),
-               (torch.float16, False), (torch.float16, True)]  # fmt: skip
+PARAM_KINDS = [
+    (torch.float32, False),
+    (torch.bfloat16, False),
+    (torch.bfloat16, True),
+    (torch.bfloat16, "remainders"),
+    (torch.float16, False),
+    (torch.float16, True),
+]
 OPTIONS = ["plain", "maximize", "stochastic", "first-step", "keep-buffers", "amsgrad", "bf16-state"]
 
 
@@ -111,18 +123,43 @@ def _step_case(device, dtype, master, option="plain"):
 
 def _run(kind, backend, option, params, s):
     device = params[0].device
-    common = dict(grad_scale=torch.tensor([0.7], device=device), master_params=s["masters"], backend=backend,
-                  maximize=option == "maximize", zero_buffers=option != "keep-buffers",
-                  stochastic_rounding=option == "stochastic", seed=12345,
-                  positions=[3 * i + 1 for i in range(len(params))])  # fmt: skip
+    common = dict(
+        grad_scale=torch.tensor([0.7], device=device),
+        master_params=s["masters"],
+        backend=backend,
+        maximize=option == "maximize",
+        zero_buffers=option != "keep-buffers",
+        stochastic_rounding=option == "stochastic",
+        seed=12345,
+        positions=[3 * i + 1 for i in range(len(params))],
+    )
     if kind == "sgd":
-        ak.sgd_step_and_zero_(params, s["buffers"], s["a"], lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True,
-                              is_first_step=option == "first-step", **common)  # fmt: skip
+        ak.sgd_step_and_zero_(
+            params,
+            s["buffers"],
+            s["a"],
+            lr=0.1,
+            momentum=0.9,
+            weight_decay=0.01,
+            nesterov=True,
+            is_first_step=option == "first-step",
+            **common,
+        )
     else:
         fn = ak.adam_step_and_zero_ if kind == "adam" else ak.adamw_step_and_zero_
         amsgrad = option == "amsgrad"
-        fn(params, s["buffers"], s["a"], s["b"], s["steps"], max_exp_avg_sqs=s["c"] if amsgrad else None,
-           amsgrad=amsgrad, lr=1e-2, weight_decay=0.1, **common)  # fmt: skip
+        fn(
+            params,
+            s["buffers"],
+            s["a"],
+            s["b"],
+            s["steps"],
+            max_exp_avg_sqs=s["c"] if amsgrad else None,
+            amsgrad=amsgrad,
+            lr=1e-2,
+            weight_decay=0.1,
+            **common,
+        )
 
 
 def _step_cases():
@@ -136,9 +173,15 @@ def _step_cases():
 
 @needs_gpu
 @pytest.mark.parametrize("backend,device", TARGETS, ids=target_ids)
-@pytest.mark.parametrize("kind,dtype,master,option", list(_step_cases()),
-                         ids=lambda v: {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(v, None)
-                         if isinstance(v, torch.dtype) else ("master" if v is True else None if v is False else v))  # fmt: skip
+@pytest.mark.parametrize(
+    "kind,dtype,master,option",
+    list(_step_cases()),
+    ids=lambda v: (
+        {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(v, None)
+        if isinstance(v, torch.dtype)
+        else ("master" if v is True else None if v is False else v)
+    ),
+)
 def test_steps_match_reference(backend, device, kind, dtype, master, option):
     from accumkernels.backends import reference
 
@@ -157,12 +200,17 @@ def test_steps_match_reference(backend, device, kind, dtype, master, option):
         state["masters"] = [reference.join_remainder(p, r) for p, r in zip(params, state["masters"])]
         ref_state["masters"] = [reference.join_remainder(p, r) for p, r in zip(ref_params, ref_state["masters"])]
     # bf16 state is rounded stochastically with the same bits; the fp32 value may differ by an ulp.
-    state_tol = dict(rtol=2 * torch.finfo(torch.bfloat16).eps, atol=1e-7) if option == "bf16-state" else \
-        dict(rtol=2e-6, atol=1e-7)  # fmt: skip
+    state_tol = (
+        dict(rtol=2 * torch.finfo(torch.bfloat16).eps, atol=1e-7)
+        if option == "bf16-state"
+        else dict(rtol=2e-6, atol=1e-7)
+    )
     for key in ("a", "b", "c", "steps", "masters"):
         if state[key] is not None:
             for a, b in zip(state[key], ref_state[key]):
-                torch.testing.assert_close(a, b, **(state_tol if key in ("a", "b", "c") else dict(rtol=2e-6, atol=1e-7)))
+                torch.testing.assert_close(
+                    a, b, **(state_tol if key in ("a", "b", "c") else dict(rtol=2e-6, atol=1e-7))
+                )
     for a, b in zip(state["buffers"], ref_state["buffers"]):
         assert torch.equal(a, b), "buffers: cleared, or kept untouched with zero_buffers=False"
 
@@ -177,8 +225,15 @@ def test_stochastic_rounding_same_bits_as_reference(backend, device):
     buffers = [torch.randn(n, device=device) * 1e-2 for n in sizes]
     ours, ref = [p.clone() for p in params], [p.clone() for p in params]
     for out, b in ((ours, backend), (ref, "reference")):
-        ak.sgd_step_and_zero_(out, [x.clone() for x in buffers], lr=1.0, stochastic_rounding=True, seed=2**31 + 5,
-                              positions=[9, 4, 7, 1], backend=b)  # fmt: skip
+        ak.sgd_step_and_zero_(
+            out,
+            [x.clone() for x in buffers],
+            lr=1.0,
+            stochastic_rounding=True,
+            seed=2**31 + 5,
+            positions=[9, 4, 7, 1],
+            backend=b,
+        )
     for a, b in zip(ours, ref):
         assert torch.equal(a, b)
 
@@ -188,8 +243,17 @@ def test_stochastic_rounding_same_bits_as_reference(backend, device):
 def test_found_inf_skips(backend, device):
     params, state = _step_case(device, torch.bfloat16, True)
     before = [t.clone() for t in params + state["a"] + state["b"] + state["steps"] + state["masters"]]
-    ak.adamw_step_and_zero_(params, state["buffers"], state["a"], state["b"], state["steps"], lr=0.1,
-                            found_inf=torch.ones(1, device=device), master_params=state["masters"], backend=backend)  # fmt: skip
+    ak.adamw_step_and_zero_(
+        params,
+        state["buffers"],
+        state["a"],
+        state["b"],
+        state["steps"],
+        lr=0.1,
+        found_inf=torch.ones(1, device=device),
+        master_params=state["masters"],
+        backend=backend,
+    )
     after = params + state["a"] + state["b"] + state["steps"] + state["masters"]
     assert all(torch.equal(a, b) for a, b in zip(after, before))
     assert all(not b.any() for b in state["buffers"])
@@ -213,18 +277,103 @@ def _opcheck_cases(device):
     scale, found = torch.tensor([0.5], device=device), torch.zeros(1, device=device)
     steps = [torch.tensor(2.0, device=device), torch.tensor(0.0, device=device)]
     yield "accumulate_", (lists(), lists(torch.bfloat16), 2.0, None, False, found)
-    yield "sgd_step_and_zero_", (lists(torch.bfloat16), lists(), lists(), lists(), 0.1, 0.9, 0.0, 0.01, True, False,
-                                 -1.0, scale, found, True, False, 0, [])  # fmt: skip
+    yield (
+        "sgd_step_and_zero_",
+        (
+            lists(torch.bfloat16),
+            lists(),
+            lists(),
+            lists(),
+            0.1,
+            0.9,
+            0.0,
+            0.01,
+            True,
+            False,
+            -1.0,
+            scale,
+            found,
+            True,
+            False,
+            0,
+            [],
+        ),
+    )
     for op in ("adam_step_and_zero_", "adamw_step_and_zero_"):
-        yield op, (lists(torch.bfloat16), lists(), lists(), [t.abs() for t in lists()], [t.abs() for t in lists()],
-                   steps, [], 1e-3, 0.9, 0.999, 1e-8, 0.01, True, 1.0, scale, found, True, True, 7, [4, 2])  # fmt: skip
+        yield (
+            op,
+            (
+                lists(torch.bfloat16),
+                lists(),
+                lists(),
+                [t.abs() for t in lists()],
+                [t.abs() for t in lists()],
+                steps,
+                [],
+                1e-3,
+                0.9,
+                0.999,
+                1e-8,
+                0.01,
+                True,
+                1.0,
+                scale,
+                found,
+                True,
+                True,
+                7,
+                [4, 2],
+            ),
+        )
     # bf16 state, and int16 remainders of bf16 params
     rems = [torch.zeros(37, device=device, dtype=torch.int16), torch.zeros(5, 3, device=device, dtype=torch.int16)]
-    yield "sgd_step_and_zero_", (lists(torch.bfloat16), lists(), lists(torch.bfloat16), rems, 0.1, 0.9, 0.0, 0.01,
-                                 False, False, 1.0, None, found, True, False, 3, [])  # fmt: skip
-    yield "adamw_step_and_zero_", (lists(), lists(), lists(torch.bfloat16), [t.abs() for t in lists(torch.bfloat16)],
-                                   [], steps, [], 1e-3, 0.9, 0.999, 1e-8, 0.01, False, 1.0, scale, None, True, False,
-                                   5, [])  # fmt: skip
+    yield (
+        "sgd_step_and_zero_",
+        (
+            lists(torch.bfloat16),
+            lists(),
+            lists(torch.bfloat16),
+            rems,
+            0.1,
+            0.9,
+            0.0,
+            0.01,
+            False,
+            False,
+            1.0,
+            None,
+            found,
+            True,
+            False,
+            3,
+            [],
+        ),
+    )
+    yield (
+        "adamw_step_and_zero_",
+        (
+            lists(),
+            lists(),
+            lists(torch.bfloat16),
+            [t.abs() for t in lists(torch.bfloat16)],
+            [],
+            steps,
+            [],
+            1e-3,
+            0.9,
+            0.999,
+            1e-8,
+            0.01,
+            False,
+            1.0,
+            scale,
+            None,
+            True,
+            False,
+            5,
+            [],
+        ),
+    )
     yield "grad_norm", (lists(),)
 
 
@@ -244,7 +393,11 @@ def test_native_ops_are_capturable_in_a_cuda_graph():
     device = "cuda:0"
     p = [torch.randn(70001, device=device).bfloat16()]
     buf, grad = [torch.zeros(70001, device=device)], [torch.randn(70001, device=device).bfloat16()]
-    m, v, step = [torch.zeros(70001, device=device)], [torch.zeros(70001, device=device)], [torch.zeros((), device=device)]
+    m, v, step = (
+        [torch.zeros(70001, device=device)],
+        [torch.zeros(70001, device=device)],
+        [torch.zeros((), device=device)],
+    )
     scale = torch.ones(1, device=device)
 
     def window():
@@ -263,8 +416,19 @@ def test_native_ops_are_capturable_in_a_cuda_graph():
     grad[0].copy_(torch.randn_like(grad[0].float()).bfloat16())
     scale.fill_(0.25)
     ak.accumulate_(buf, grad, scale, overwrite=True, backend="cuda")
-    ak.adamw_step_and_zero_(expected_p, buf, expected_m, expected_v, expected_step, lr=1e-3, grad_scale=scale,
-                            zero_buffers=False, backend="cuda")  # fmt: skip
+    ak.adamw_step_and_zero_(
+        expected_p,
+        buf,
+        expected_m,
+        expected_v,
+        expected_step,
+        lr=1e-3,
+        grad_scale=scale,
+        zero_buffers=False,
+        backend="cuda",
+    )
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(p[0], expected_p[0]) and torch.equal(m[0], expected_m[0]) and torch.equal(step[0], expected_step[0])
+    assert (
+        torch.equal(p[0], expected_p[0]) and torch.equal(m[0], expected_m[0]) and torch.equal(step[0], expected_step[0])
+    )

@@ -17,15 +17,15 @@ import sys
 import tempfile
 from pathlib import Path
 
+import distributed_worker as worker
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import NATIVE_SKIPPED, SEED
+from helpers import assert_within_summation_noise
 
 import accumkernels as ak
-import distributed_worker as worker
-from conftest import NATIVE_SKIPPED, SEED
-from helpers import assert_within_summation_noise, rel_diff
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
@@ -89,16 +89,18 @@ def test_ranks_equal_single_process_big_batch(runs, world, case):
     assert results[0]["buckets"] > 2  # the toy model spans several buckets
     for r in results[1:]:
         assert same(r["params"], results[0]["params"])  # every rank holds the same params
-    assert_within_summation_noise(results[0]["params"], results[0]["reference"], results[0]["alternates"],
-                                  worker.WINDOWS)  # fmt: skip
+    assert_within_summation_noise(
+        results[0]["params"], results[0]["reference"], results[0]["alternates"], worker.WINDOWS
+    )
 
 
 @pytest.mark.parametrize("case", ["allreduce-items", "sharded-items"])
 def test_items_are_summed_across_ranks(runs, case):
     results = [r[case] for r in runs[2]]
     assert same(results[1]["params"], results[0]["params"])
-    assert_within_summation_noise(results[0]["params"], results[0]["reference"], results[0]["alternates"],
-                                  worker.WINDOWS)  # fmt: skip
+    assert_within_summation_noise(
+        results[0]["params"], results[0]["reference"], results[0]["alternates"], worker.WINDOWS
+    )
 
 
 @pytest.mark.parametrize("mode", ["allreduce", "sharded"])
@@ -174,8 +176,15 @@ def test_inf_on_one_rank_skips_the_window_on_all(runs, case):
         assert [r["scale"] for r in results] == [2.0**9, 2.0**9]
 
 
-@pytest.mark.parametrize("case", ["resume-allreduce", "resume-sharded-bf16-master", "resume-sharded-bf16-defaults",
-                                  "resume-allreduce-bf16-remainders"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "resume-allreduce",
+        "resume-sharded-bf16-master",
+        "resume-sharded-bf16-defaults",
+        "resume-allreduce-bf16-remainders",
+    ],
+)
 def test_resume_mid_window_with_two_ranks(runs, case):
     for r in runs[2]:
         result = r[case]
@@ -190,8 +199,9 @@ def test_ddp_is_taken_over(runs):
     for order in ("ddp-first", "optimizer-first"):
         assert all(r[order]["ddp_calls"] == 0 for r in results), order
         assert same(results[1][order]["params"], results[0][order]["params"])
-        assert_within_summation_noise(results[0][order]["params"], results[0]["reference"],
-                                      results[0]["alternates"], worker.WINDOWS)  # fmt: skip
+        assert_within_summation_noise(
+            results[0][order]["params"], results[0]["reference"], results[0]["alternates"], worker.WINDOWS
+        )
 
 
 def test_framework_loop_over_ddp(runs):
@@ -204,9 +214,12 @@ def test_framework_loop_over_ddp(runs):
     assert same(results[1]["params"], results[0]["params"])
     assert min(results[0]["reference_norms"]) > 0.05
     for r in results:
-        torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(results[0]["reference_norms"]), rtol=1e-5, atol=0)
-    assert_within_summation_noise(results[0]["params"], results[0]["reference"], results[0]["alternates"],
-                                  worker.WINDOWS)  # fmt: skip
+        torch.testing.assert_close(
+            torch.tensor(r["norms"]), torch.tensor(results[0]["reference_norms"]), rtol=1e-5, atol=0
+        )
+    assert_within_summation_noise(
+        results[0]["params"], results[0]["reference"], results[0]["alternates"], worker.WINDOWS
+    )
 
 
 def test_sharded_equals_allreduce_bitwise_with_mixed_dtypes(runs):
@@ -243,10 +256,21 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def torchrun(args: list[str]) -> str:
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(ROOT / "examples" / "train_gpt_distributed.py"), *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(ROOT / "examples" / "train_gpt_distributed.py"),
+            *args,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out.stdout
 
@@ -256,14 +280,16 @@ def torchrun(args: list[str]) -> str:
 def test_example_runs_under_torchrun_and_resumes_mid_window(tmp_path, mode):
     """The example script, 2 ranks, ZeRO-1 or FSDP2: a run that checkpoints
     mid-window, then a restart from that checkpoint logs the same windows."""
-    args = ["--windows", "6", "--width", "32", "--ctx", "16", "--micro-batch", "2", mode,
-            "--checkpoint", str(tmp_path)]  # fmt: skip
+    args = ["--windows", "6", "--width", "32", "--ctx", "16", "--micro-batch", "2", mode, "--checkpoint", str(tmp_path)]
     first = torchrun(args)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.pt", "rank1.pt"]
     second = torchrun(args)
     assert "resumed at micro-step 13 (1 into a window)" in second
     last = [line for line in first.splitlines() if line.startswith("window")][-1]
-    assert last.startswith("window    6") and last == [line for line in second.splitlines() if line.startswith("window")][-1]
+    assert (
+        last.startswith("window    6")
+        and last == [line for line in second.splitlines() if line.startswith("window")][-1]
+    )
 
 
 @pytest.mark.slow
@@ -271,8 +297,11 @@ def test_distributed_benchmark_quick_mode(native_only, tmp_path):
     """`python -m bench.distributed --quick`: correctness first, then the table."""
     out = subprocess.run(
         [sys.executable, "-m", "bench.distributed", "--quick", "--results-dir", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {r["path"]: r for r in json.loads((tmp_path / "distributed-cpu-quick.json").read_text())["rows"]}
     assert set(rows) == {"ddp-no_sync", "ours-allreduce", "ours-sharded", "ours-allreduce-bf16wire"}

@@ -53,8 +53,11 @@ def parse(page: Path) -> tuple[list[str], list[Snippet]]:
     """(the page's single-process scripts, its multi-rank snippets); every
     Python block is accounted for: run, or skipped with a reason."""
     text = page.read_text()
-    events = sorted([(m.start(), "directive", m) for m in DIRECTIVE.finditer(text)] +
-                    [(m.start(), "code", m) for m in FENCE.finditer(text)], key=lambda e: e[0])  # fmt: skip
+    events = sorted(
+        [(m.start(), "directive", m) for m in DIRECTIVE.finditer(text)]
+        + [(m.start(), "code", m) for m in FENCE.finditer(text)],
+        key=lambda e: e[0],
+    )
     prelude, scripts, multi, pending, seen_code = [], [[]], [], None, False
     for start, kind, m in events:
         line = text.count("\n", 0, start) + 1
@@ -89,12 +92,19 @@ for page in PAGES:
     name = page.relative_to(ROOT).as_posix()
     CASES += [pytest.param(page, ("single", i), id=f"{name}" + (f"#{i + 1}" if i else "")) for i in range(len(singles))]
     # torchrun snippets start several processes each: with the slow tests.
-    CASES += [pytest.param(page, ("ranks", i), id=f"{name}:{s.line}", marks=pytest.mark.slow) for i, s in enumerate(multi)]
+    CASES += [
+        pytest.param(page, ("ranks", i), id=f"{name}:{s.line}", marks=pytest.mark.slow) for i, s in enumerate(multi)
+    ]
 
 
 def _env() -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     for key in ("TRITON_INTERPRET", "PYTEST_XDIST_WORKER"):
         env.pop(key, None)
     return env
@@ -112,8 +122,7 @@ def test_snippets_run(tmp_path, page, index):
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={snippet.ranks}", "--standalone"]
     path = tmp_path / "snippets.py"
     path.write_text(script)
-    out = subprocess.run([*command, str(path)], cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                         timeout=600)  # fmt: skip
+    out = subprocess.run([*command, str(path)], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, f"{page.name}: the snippets failed\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
 
 

@@ -37,8 +37,14 @@ def needs(*modules):
 def run(name: str, *, pythonpath: str | None = None, **options) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [pythonpath, str(ROOT)]))}
     env.pop("TRITON_INTERPRET", None)
-    out = subprocess.run([sys.executable, str(ROOT / "tests" / "framework_runs.py"), name, json.dumps(options)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "framework_runs.py"), name, json.dumps(options)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -48,8 +54,16 @@ def launch(name: str, tmp_path, world: int = 2, **options) -> list[dict]:
     result = tmp_path / "result"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "AK_RESULT_FILE": str(result), "OMP_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--standalone",
-               str(ROOT / "tests" / "framework_runs.py"), name, json.dumps(options)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={world}",
+        "--standalone",
+        str(ROOT / "tests" / "framework_runs.py"),
+        name,
+        json.dumps(options),
+    ]
     out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     return [json.loads(Path(f"{result}.rank{r}").read_text()) for r in range(world)]
@@ -109,8 +123,9 @@ def test_lightning_manual_clip_through_its_optimizer_proxy():
     attributes: clip_grad_norm_ on it must still clip (and return the norm)."""
     result = run("lightning", precision="32", manual=True)
     assert_same_training(result, norms="norms")
-    torch.testing.assert_close(torch.tensor(result["ours"]["logged_norms"]),
-                               torch.tensor(result["plain"]["logged_norms"]), rtol=1e-5, atol=0)  # fmt: skip
+    torch.testing.assert_close(
+        torch.tensor(result["ours"]["logged_norms"]), torch.tensor(result["plain"]["logged_norms"]), rtol=1e-5, atol=0
+    )
 
 
 @pytest.mark.parametrize("loop", ["docs-loop", "wrapper-counts"])
@@ -147,8 +162,11 @@ def test_accum_steps_while_the_framework_counts_is_refused():
     the wrong cadence, norms logged as 0. Each run stops at its first step()
     with an error naming accum_steps=None, before any param moved."""
     errors = run("accum_steps_under_frameworks")
-    for framework, setting in (("lightning", "accumulate_grad_batches"), ("accelerate", "gradient_accumulation_steps"),
-                               ("hf_trainer", "gradient_accumulation_steps")):  # fmt: skip
+    for framework, setting in (
+        ("lightning", "accumulate_grad_batches"),
+        ("accelerate", "gradient_accumulation_steps"),
+        ("hf_trainer", "gradient_accumulation_steps"),
+    ):
         assert errors[framework] is not None and "accum_steps=None" in errors[framework], (framework, errors[framework])
         assert setting in errors[framework]
     assert not errors["lightning_moved"]
@@ -183,13 +201,16 @@ class TestHuggingFace:
             assert_same_training(result)
         else:  # what plain logs without clipping, ours logs too: the same gradients, their norm summed in another order
             n = sum(len(p) for p in plain["params"])
-            torch.testing.assert_close(torch.tensor(ours["grad_norms"]), torch.tensor(plain["grad_norms"]),
-                                       rtol=summation_rtol(n), atol=0)  # fmt: skip
+            torch.testing.assert_close(
+                torch.tensor(ours["grad_norms"]), torch.tensor(plain["grad_norms"]), rtol=summation_rtol(n), atol=0
+            )
 
     @pytest.mark.slow
     @needs("accelerate")
-    @pytest.mark.skipif(not (TRANSFORMERS4 / "transformers").exists() and not REQUIRED,
-                        reason=f"transformers 4.x is not installed in {TRANSFORMERS4}")  # fmt: skip
+    @pytest.mark.skipif(
+        not (TRANSFORMERS4 / "transformers").exists() and not REQUIRED,
+        reason=f"transformers 4.x is not installed in {TRANSFORMERS4}",
+    )
     def test_hf_trainer_transformers_4(self):
         result = run("hf_trainer", pythonpath=str(TRANSFORMERS4), max_grad_norm=0.05)
         assert_same_training(result)

@@ -8,10 +8,9 @@ the per-rank buffer memory, measured; refusals."""
 
 from __future__ import annotations
 
+import fsdp_worker as worker
 import pytest
 import torch.distributed as dist
-
-import fsdp_worker as worker
 from helpers import assert_within_summation_noise, rel_diff
 from test_distributed import same, spawn
 
@@ -64,8 +63,9 @@ def test_ranks_equal_one_process(runs, world, case):
     if "compute" in case or "storage" in case:
         assert rel_diff(results[0]["params"], results[0]["reference"]) <= 3e-2
     else:
-        assert_within_summation_noise(results[0]["params"], results[0]["reference"],
-                                      results[0]["alternates"], worker.WINDOWS)  # fmt: skip
+        assert_within_summation_noise(
+            results[0]["params"], results[0]["reference"], results[0]["alternates"], worker.WINDOWS
+        )
 
 
 def test_bf16_shards_summed_in_fp32(runs):
@@ -123,8 +123,13 @@ def test_fsdp_benchmark_quick_mode(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    out = subprocess.run([sys.executable, "-m", "bench.fsdp", "--quick", "--results-dir", str(tmp_path)], cwd=root,
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.fsdp", "--quick", "--results-dir", str(tmp_path)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {r["path"]: r for r in json.loads((tmp_path / "fsdp-cpu-quick.json").read_text())["rows"]}
     assert set(rows) == {"fsdp-bf16", "fsdp-no-sync-fp32", "ours"}

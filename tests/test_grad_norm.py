@@ -7,9 +7,9 @@ import sys
 
 import pytest
 import torch
+from helpers import SIZES, randn, random_sizes
 
 import accumkernels as ak
-from helpers import SIZES, randn, random_sizes
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -72,5 +72,7 @@ def test_same_bits_in_a_process_with_other_thread_count(native_only, tmp_path):
         "xs = torch.load(sys.argv[1]); print(ak.grad_norm(xs, backend='cpu').view(torch.int32).item())"
     )
     for threads in (1, 3):
-        out = subprocess.run([sys.executable, "-c", code, str(path), str(threads)], capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(path), str(threads)], capture_output=True, text=True, check=True
+        )
         assert int(out.stdout) == here.view(torch.int32).item()

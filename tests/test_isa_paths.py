@@ -18,14 +18,19 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_native import _supported_isas
 
 from accumkernels import _native
-from test_native import _supported_isas
 
 ROOT = Path(__file__).resolve().parent.parent
 OTHER_ISAS = [isa for isa in _supported_isas() if isa != _native.cpu_isa()]
-SELECTION = ["tests/test_optimizer.py", "tests/test_optimizers.py", "-k", "cpu or hf_trainer and no-clip",
-             "tests/test_frameworks.py::TestHuggingFace::test_hf_trainer"]  # fmt: skip
+SELECTION = [
+    "tests/test_optimizer.py",
+    "tests/test_optimizers.py",
+    "-k",
+    "cpu or hf_trainer and no-clip",
+    "tests/test_frameworks.py::TestHuggingFace::test_hf_trainer",
+]
 
 
 @pytest.mark.slow
@@ -34,7 +39,13 @@ SELECTION = ["tests/test_optimizer.py", "tests/test_optimizers.py", "-k", "cpu o
 def test_parity_tests_under_another_isa(native_only, isa):
     env = {**os.environ, "ACCUMKERNELS_CPU_ISA": isa, "ATEN_CPU_CAPABILITY": isa}
     env.pop("PYTEST_XDIST_WORKER", None)
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *SELECTION], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *SELECTION],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert " passed" in out.stdout, out.stdout[-2000:]

@@ -25,22 +25,150 @@ def _opcheck_cases():
     steps = [torch.tensor(2.0), torch.tensor(0.0)]
     yield "accumulate_", (lists(), lists(torch.bfloat16), 2.0, None, False, found)
     yield "accumulate_", (lists(), lists(torch.float16), 1.0, scale, True, None)
-    yield "sgd_step_and_zero_", (lists(torch.bfloat16), lists(), lists(), lists(), 0.1, 0.9, 0.0, 0.01, True,
-                                 False, -1.0, scale, found, True, False, 0, [])  # fmt: skip
-    yield "sgd_step_and_zero_", (lists(torch.bfloat16), lists(), [], [], 0.1, 0.0, 0.0, 0.0, False,
-                                 False, 1.0, None, None, False, True, 2**32 - 1, [3, 9])  # fmt: skip
+    yield (
+        "sgd_step_and_zero_",
+        (
+            lists(torch.bfloat16),
+            lists(),
+            lists(),
+            lists(),
+            0.1,
+            0.9,
+            0.0,
+            0.01,
+            True,
+            False,
+            -1.0,
+            scale,
+            found,
+            True,
+            False,
+            0,
+            [],
+        ),
+    )
+    yield (
+        "sgd_step_and_zero_",
+        (
+            lists(torch.bfloat16),
+            lists(),
+            [],
+            [],
+            0.1,
+            0.0,
+            0.0,
+            0.0,
+            False,
+            False,
+            1.0,
+            None,
+            None,
+            False,
+            True,
+            2**32 - 1,
+            [3, 9],
+        ),
+    )
     for op in ("adam_step_and_zero_", "adamw_step_and_zero_"):
-        yield op, (lists(), lists(), lists(), [t.abs() for t in lists()], [t.abs() for t in lists()], steps, [],
-                   1e-3, 0.9, 0.999, 1e-8, 0.01, True, -1.0, scale, found, True, False, 0, [])  # fmt: skip
-        yield op, (lists(torch.bfloat16), lists(), lists(), [t.abs() for t in lists()], [], steps, [],
-                   1e-3, 0.9, 0.999, 1e-8, 0.0, False, 1.0, None, None, False, True, 7, [1, 0])  # fmt: skip
+        yield (
+            op,
+            (
+                lists(),
+                lists(),
+                lists(),
+                [t.abs() for t in lists()],
+                [t.abs() for t in lists()],
+                steps,
+                [],
+                1e-3,
+                0.9,
+                0.999,
+                1e-8,
+                0.01,
+                True,
+                -1.0,
+                scale,
+                found,
+                True,
+                False,
+                0,
+                [],
+            ),
+        )
+        yield (
+            op,
+            (
+                lists(torch.bfloat16),
+                lists(),
+                lists(),
+                [t.abs() for t in lists()],
+                [],
+                steps,
+                [],
+                1e-3,
+                0.9,
+                0.999,
+                1e-8,
+                0.0,
+                False,
+                1.0,
+                None,
+                None,
+                False,
+                True,
+                7,
+                [1, 0],
+            ),
+        )
     # bf16 state, and int16 remainders of bf16 params
     rems = [torch.zeros(37, dtype=torch.int16), torch.zeros(5, 3, dtype=torch.int16)]
-    yield "sgd_step_and_zero_", (lists(torch.bfloat16), lists(), lists(torch.bfloat16), rems, 0.1, 0.9, 0.0, 0.01,
-                                 False, False, 1.0, None, found, True, False, 3, [])  # fmt: skip
-    yield "adamw_step_and_zero_", (lists(), lists(), lists(torch.bfloat16), [t.abs() for t in lists(torch.bfloat16)],
-                                   [], steps, [], 1e-3, 0.9, 0.999, 1e-8, 0.01, False, 1.0, scale, None, True, False,
-                                   5, [])  # fmt: skip
+    yield (
+        "sgd_step_and_zero_",
+        (
+            lists(torch.bfloat16),
+            lists(),
+            lists(torch.bfloat16),
+            rems,
+            0.1,
+            0.9,
+            0.0,
+            0.01,
+            False,
+            False,
+            1.0,
+            None,
+            found,
+            True,
+            False,
+            3,
+            [],
+        ),
+    )
+    yield (
+        "adamw_step_and_zero_",
+        (
+            lists(),
+            lists(),
+            lists(torch.bfloat16),
+            [t.abs() for t in lists(torch.bfloat16)],
+            [],
+            steps,
+            [],
+            1e-3,
+            0.9,
+            0.999,
+            1e-8,
+            0.01,
+            False,
+            1.0,
+            scale,
+            None,
+            True,
+            False,
+            5,
+            [],
+        ),
+    )
     yield "grad_norm", (lists(),)
 
 

@@ -138,8 +138,10 @@ def test_bf16_accumulation_is_exact_where_grad_is_not(backend, capsys):
     plain_error = error([p.grad for p in plain.parameters()])
     ours_error = error([opt.accumulated_grad(p) for p in ours.parameters()])
     with capsys.disabled():
-        print(f"\n  bf16, N={n_micro}: relative error of the summed gradient vs float64: "
-              f"plain .grad {plain_error:.2e}, accumkernels {ours_error:.2e}")  # fmt: skip
+        print(
+            f"\n  bf16, N={n_micro}: relative error of the summed gradient vs float64: "
+            f"plain .grad {plain_error:.2e}, accumkernels {ours_error:.2e}"
+        )
     assert ours_error * 100 <= plain_error
 
 
@@ -155,8 +157,9 @@ def test_items_normalization_weights_tokens(backend):
     # Adam's m / sqrt(v) for elements whose sum nearly cancels.
     hyper = dict(lr=0.1, momentum=0.9)
     big_batch_run(plain, torch.optim.SGD(plain.parameters(), **hyper), [(x, y)], n_micro=1)
-    opt = ak.AccumulatingOptimizer(torch.optim.SGD(ours.parameters(), **hyper), accum_steps=4, normalize="items",
-                                   backend=backend)  # fmt: skip
+    opt = ak.AccumulatingOptimizer(
+        torch.optim.SGD(ours.parameters(), **hyper), accum_steps=4, normalize="items", backend=backend
+    )
     naive_opt = ak.AccumulatingOptimizer(torch.optim.SGD(naive.parameters(), **hyper), accum_steps=4, backend=backend)
     for i, (xb, yb) in enumerate(chunks):
         F.mse_loss(ours(xb), yb, reduction="sum").div(3).backward()  # 3 outputs per item
@@ -177,8 +180,12 @@ def test_grad_scaler_skips_a_window_with_inf(backend, loop):
     reference = mlp()
     scaler = torch.amp.GradScaler(torch.get_default_device().type, init_scale=2.0**10, growth_interval=1000)
     accum = None if loop == "docs-loop" else n_micro
-    opt = ak.AccumulatingOptimizer(torch.optim.AdamW(ours.parameters(), lr=1e-2, eps=ADAM_EPS), accum_steps=accum,
-                                   grad_scaler=scaler, backend=backend)  # fmt: skip
+    opt = ak.AccumulatingOptimizer(
+        torch.optim.AdamW(ours.parameters(), lr=1e-2, eps=ADAM_EPS),
+        accum_steps=accum,
+        grad_scaler=scaler,
+        backend=backend,
+    )
     before = [p.detach().clone() for p in ours.parameters()]
     for w, (x, y) in enumerate(windows):
         for m, (xb, yb) in enumerate(zip(x.chunk(n_micro), y.chunk(n_micro))):
@@ -209,8 +216,9 @@ def test_clipping_matches_torch(backend):
     windows = [(x * 30, y) for x, y in (data() for _ in range(3))]
     plain, ours, manual = mlp(), mlp(), mlp()
     big_batch_run(plain, torch.optim.SGD(plain.parameters(), lr=0.05), windows, clip=0.5, n_micro=2)
-    opt = ak.AccumulatingOptimizer(torch.optim.SGD(ours.parameters(), lr=0.05), accum_steps=2, max_grad_norm=0.5,
-                                   backend=backend)  # fmt: skip
+    opt = ak.AccumulatingOptimizer(
+        torch.optim.SGD(ours.parameters(), lr=0.05), accum_steps=2, max_grad_norm=0.5, backend=backend
+    )
     micro_batch_run(ours, opt, windows, 2)
     assert rel_diff(ours, plain) <= PARITY
     assert opt.last_grad_norm is not None and opt.last_grad_norm.item() > 0.5
@@ -234,8 +242,10 @@ def test_lr_scheduler_and_param_groups(backend):
     plain, ours = mlp(), mlp()
 
     def groups(model):
-        return [{"params": model[0].parameters(), "lr": 0.05}, {"params": list(model[1].parameters()) +
-                list(model[3].parameters()), "lr": 0.2, "momentum": 0.5}]  # fmt: skip
+        return [
+            {"params": model[0].parameters(), "lr": 0.05},
+            {"params": list(model[1].parameters()) + list(model[3].parameters()), "lr": 0.2, "momentum": 0.5},
+        ]
 
     plain_opt = torch.optim.SGD(groups(plain), lr=0.1)
     big_batch_run(plain, plain_opt, windows, scheduler=torch.optim.lr_scheduler.StepLR(plain_opt, 1, gamma=0.5))
@@ -262,8 +272,9 @@ def test_params_without_gradient_are_skipped(backend):
     grad None, no weight decay and no state for it."""
     plain, ours = TwoHeads(), TwoHeads()
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.5, eps=ADAM_EPS)
-    opt = ak.AccumulatingOptimizer(torch.optim.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.5, eps=ADAM_EPS), accum_steps=2,
-                                   backend=backend)  # fmt: skip
+    opt = ak.AccumulatingOptimizer(
+        torch.optim.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.5, eps=ADAM_EPS), accum_steps=2, backend=backend
+    )
     for heads in (["a", "a"], ["a", "b"]):
         x, y = data(32)
         plain_opt.zero_grad(set_to_none=True)
@@ -329,8 +340,12 @@ def test_resume_mid_window_is_bitwise(backend, precision):
 
     def make():
         model = mlp(dtype=torch.bfloat16)
-        opt = ak.AccumulatingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS), accum_steps=4,
-                                       backend=backend, **PRECISIONS[precision])  # fmt: skip
+        opt = ak.AccumulatingOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS),
+            accum_steps=4,
+            backend=backend,
+            **PRECISIONS[precision],
+        )
         return model, opt
 
     bf16 = [(x.bfloat16(), y.bfloat16()) for x, y in batches]
@@ -366,8 +381,9 @@ def test_default_precision_follows_the_param_dtype(backend):
         assert opt._layout.record(p).precision.stochastic == (p.dtype == torch.bfloat16)
     x, y = data(8)
     masters = mlp().to(torch.bfloat16)
-    opt = ak.AccumulatingOptimizer(torch.optim.AdamW(masters.parameters(), lr=1e-2), accum_steps=1,
-                                   master_weights=True, backend=backend)  # fmt: skip
+    opt = ak.AccumulatingOptimizer(
+        torch.optim.AdamW(masters.parameters(), lr=1e-2), accum_steps=1, master_weights=True, backend=backend
+    )
     F.mse_loss(masters(x.bfloat16()).float(), y).backward()
     opt.step()
     assert all(s["exp_avg"].dtype == torch.float32 for s in opt.state.values())
@@ -383,8 +399,12 @@ def test_remainders_are_fp32_master_weights_bit_for_bit(backend):
     runs = {}
     for kind in (True, "remainders"):
         model = mlp(dtype=torch.bfloat16)
-        opt = ak.AccumulatingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
-                                       accum_steps=2, master_weights=kind, backend=backend)  # fmt: skip
+        opt = ak.AccumulatingOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
+            accum_steps=2,
+            master_weights=kind,
+            backend=backend,
+        )
         torch.manual_seed(5)
         for _ in range(8):
             x, y = data(8)
@@ -414,8 +434,9 @@ def test_checkpoints_of_other_precisions_load(backend):
     assert opt.state[p0]["exp_avg"].dtype == torch.bfloat16
     assert torch.equal(opt.state[p0]["exp_avg"], plain.state[p0]["exp_avg"])
     opt.close()
-    wide = ak.AccumulatingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), accum_steps=2,
-                                    state_dtype=torch.float32, backend=backend)  # fmt: skip
+    wide = ak.AccumulatingOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), accum_steps=2, state_dtype=torch.float32, backend=backend
+    )
     wide.load_state_dict(copy.deepcopy(opt.state_dict()))
     assert wide.state[p0]["exp_avg"].dtype == torch.float32
     assert torch.equal(wide.state[p0]["exp_avg"], plain.state[p0]["exp_avg"].float())
@@ -423,12 +444,14 @@ def test_checkpoints_of_other_precisions_load(backend):
     back.load_state_dict(copy.deepcopy(wide.state_dict()))
     assert back.state[p0]["exp_avg"].dtype == torch.bfloat16  # torch keeps state in the param dtype
     wide.close()
-    fp32_masters = ak.AccumulatingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), accum_steps=2,
-                                            master_weights=True, backend=backend)  # fmt: skip
+    fp32_masters = ak.AccumulatingOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), accum_steps=2, master_weights=True, backend=backend
+    )
     saved = copy.deepcopy(fp32_masters.state_dict())
     fp32_masters.close()
-    rems = ak.AccumulatingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), accum_steps=2,
-                                    master_weights="remainders", backend=backend)  # fmt: skip
+    rems = ak.AccumulatingOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), accum_steps=2, master_weights="remainders", backend=backend
+    )
     with pytest.raises(ValueError, match="remainders"):
         rems.load_state_dict(saved)
 
@@ -448,7 +471,9 @@ def test_rejects_bad_precision_options():
 def test_checkpoints_interoperate_with_the_plain_optimizer(backend):
     windows = [data() for _ in range(2)]
     ours = mlp()
-    opt = ak.AccumulatingOptimizer(torch.optim.Adam(ours.parameters(), lr=1e-2, eps=ADAM_EPS), accum_steps=2, backend=backend)
+    opt = ak.AccumulatingOptimizer(
+        torch.optim.Adam(ours.parameters(), lr=1e-2, eps=ADAM_EPS), accum_steps=2, backend=backend
+    )
     micro_batch_run(ours, opt, windows, 2)
     plain = copy.deepcopy(ours)
     plain_opt = torch.optim.Adam(plain.parameters(), lr=1e-2, eps=ADAM_EPS)
@@ -457,7 +482,9 @@ def test_checkpoints_interoperate_with_the_plain_optimizer(backend):
     plain_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # the extra entry is ignored
     # ... and a plain checkpoint loads into a fresh wrapper.
     again = copy.deepcopy(ours)
-    again_opt = ak.AccumulatingOptimizer(torch.optim.Adam(again.parameters(), lr=1e-2, eps=ADAM_EPS), accum_steps=2, backend=backend)
+    again_opt = ak.AccumulatingOptimizer(
+        torch.optim.Adam(again.parameters(), lr=1e-2, eps=ADAM_EPS), accum_steps=2, backend=backend
+    )
     again_opt.load_state_dict(copy.deepcopy(plain_opt.state_dict()))
     more = [data() for _ in range(2)]
     big_batch_run(plain, plain_opt, more)
@@ -467,8 +494,9 @@ def test_checkpoints_interoperate_with_the_plain_optimizer(backend):
 
 def test_no_grad_is_kept_beside_the_buffers(backend):
     model = mlp()
-    opt = ak.AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accum_steps=4, bucket_cap_mb=0.001,
-                                   backend=backend)  # fmt: skip
+    opt = ak.AccumulatingOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), accum_steps=4, bucket_cap_mb=0.001, backend=backend
+    )
     x, y = data(8)
     F.mse_loss(model(x), y).backward()
     assert all(isinstance(p.grad, FoldedGrad) for p in model.parameters()), "every bucket is folded during backward"
@@ -503,8 +531,9 @@ def test_gpt_loss_curve_matches_big_batch(backend):
     plain = GPT(vocab=64, d=32, layers=2, heads=4, ctx=16)
     ours = copy.deepcopy(plain)
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=3e-3, eps=ADAM_EPS)
-    opt = ak.AccumulatingOptimizer(torch.optim.AdamW(ours.parameters(), lr=3e-3, eps=ADAM_EPS), accum_steps=4, max_grad_norm=1.0,
-                                   backend=backend)  # fmt: skip
+    opt = ak.AccumulatingOptimizer(
+        torch.optim.AdamW(ours.parameters(), lr=3e-3, eps=ADAM_EPS), accum_steps=4, max_grad_norm=1.0, backend=backend
+    )
     plain_losses, our_losses, norms = [], [], []
     for _ in range(6):
         idx = torch.randint(0, 64, (16, 16))
@@ -629,8 +658,9 @@ def test_stochastic_rounding_keeps_small_updates(backend):
     results = {}
     for sr in (False, True):
         w = nn.Parameter(torch.ones(n, dtype=torch.bfloat16))
-        opt = ak.AccumulatingOptimizer(torch.optim.SGD([w], lr=lr), accum_steps=2, stochastic_rounding=sr,
-                                       backend=backend)  # fmt: skip
+        opt = ak.AccumulatingOptimizer(
+            torch.optim.SGD([w], lr=lr), accum_steps=2, stochastic_rounding=sr, backend=backend
+        )
         for _ in range(windows * 2):
             (w.float() * 0.5).sum().backward()  # gradient 0.5 per micro-step: mean 0.5, update 5e-4 = ulp / 16
             opt.step()
@@ -642,8 +672,9 @@ def test_stochastic_rounding_keeps_small_updates(backend):
 
 def test_stochastic_rounding_excludes_master_weights():
     with pytest.raises(ValueError, match="exclude"):
-        ak.AccumulatingOptimizer(torch.optim.SGD(mlp().parameters(), lr=0.1), master_weights=True,
-                                 stochastic_rounding=True)  # fmt: skip
+        ak.AccumulatingOptimizer(
+            torch.optim.SGD(mlp().parameters(), lr=0.1), master_weights=True, stochastic_rounding=True
+        )
 
 
 def test_a_dropped_wrapper_is_freed_and_unhooked():
@@ -679,8 +710,9 @@ def test_staged_unfreezing(backend, intake):
     for m in (plain, ours):
         m[0].weight.requires_grad_(False)
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, eps=ADAM_EPS)
-    opt = ak.AccumulatingOptimizer(torch.optim.AdamW(ours.parameters(), lr=1e-2, eps=ADAM_EPS), accum_steps=4,
-                                   intake=intake, backend=backend)  # fmt: skip
+    opt = ak.AccumulatingOptimizer(
+        torch.optim.AdamW(ours.parameters(), lr=1e-2, eps=ADAM_EPS), accum_steps=4, intake=intake, backend=backend
+    )
     frozen = ours[0].weight.detach().clone()
     for w, (x, y) in enumerate(windows):
         if w == 1:
@@ -703,8 +735,9 @@ def test_a_refused_checkpoint_changes_nothing(backend):
     x, y = data()
 
     def trained(model):
-        opt = ak.AccumulatingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), accum_steps=2, master_weights=False,
-                                       backend=backend)  # fmt: skip
+        opt = ak.AccumulatingOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-2), accum_steps=2, master_weights=False, backend=backend
+        )
         micro_batch_run(model, opt, [(x, y)], 2)
         F.mse_loss(model(x[:8]), y[:8]).backward()
         opt.step()  # mid-window
@@ -755,6 +788,7 @@ def test_stochastic_rounding_streams_are_per_param_and_per_run(backend):
     """Two groups of identical bf16 params with identical gradients: every
     param draws its own bits (its index in the wrapper is its stream); a run
     draws its seed from torch's generator and saves it."""
+
     def run(seed=None):
         params = [nn.Parameter(torch.ones(2048, dtype=torch.bfloat16)) for _ in range(4)]
         inner = torch.optim.SGD([{"params": params[:2]}, {"params": params[2:], "momentum": 0.5}], lr=1e-3)
@@ -820,8 +854,9 @@ def test_compiled_and_checkpointed_models(intake, wrap_model):
         return torch.compile(m) if wrap_model == "compile" else _Checkpointed(m)
 
     big_batch_run(wrapped(plain), torch.optim.AdamW(plain.parameters(), lr=1e-2, eps=ADAM_EPS), windows)
-    opt = ak.AccumulatingOptimizer(torch.optim.AdamW(ours.parameters(), lr=1e-2, eps=ADAM_EPS), accum_steps=4,
-                                   intake=intake)  # fmt: skip
+    opt = ak.AccumulatingOptimizer(
+        torch.optim.AdamW(ours.parameters(), lr=1e-2, eps=ADAM_EPS), accum_steps=4, intake=intake
+    )
     micro_batch_run(wrapped(ours), opt, windows, 4)
     assert opt.optimizer.state[next(ours.parameters())]["step"].item() == 2
     assert rel_diff(ours, plain) <= PARITY
@@ -910,8 +945,9 @@ def test_zero_grad_placements_equal_plain(backend, placement):
     windows = [data() for _ in range(3)]
     plain, ours = mlp(), mlp()
     big_batch_run(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2, eps=ADAM_EPS), windows)
-    opt = ak.AccumulatingOptimizer(torch.optim.AdamW(ours.parameters(), lr=1e-2, eps=ADAM_EPS), accum_steps=4,
-                                   backend=backend)  # fmt: skip
+    opt = ak.AccumulatingOptimizer(
+        torch.optim.AdamW(ours.parameters(), lr=1e-2, eps=ADAM_EPS), accum_steps=4, backend=backend
+    )
     for x, y in windows:
         for xb, yb in zip(x.chunk(4), y.chunk(4)):
             if placement == "before-backward":
@@ -960,8 +996,9 @@ def test_a_gradient_assigned_to_grad_is_taken_in(backend):
     for p, g in zip(plain.parameters(), grads):
         p.grad = g.clone()
     plain_opt.step()
-    opt = ak.AccumulatingOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1), accum_steps=1, intake="hooks",
-                                   backend=backend)  # fmt: skip
+    opt = ak.AccumulatingOptimizer(
+        torch.optim.SGD(ours.parameters(), lr=0.1), accum_steps=1, intake="hooks", backend=backend
+    )
     for p, g in zip(ours.parameters(), grads):
         p.grad = g.clone()
     opt.step()
@@ -1042,8 +1079,9 @@ def test_autograd_grad_does_not_feed_the_window(backend, intake):
     windows = [data() for _ in range(2)]
     plain, ours = mlp(), mlp()
     big_batch_run(plain, torch.optim.SGD(plain.parameters(), lr=0.1), windows)
-    opt = ak.AccumulatingOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1), accum_steps=4, intake=intake,
-                                   backend=backend)  # fmt: skip
+    opt = ak.AccumulatingOptimizer(
+        torch.optim.SGD(ours.parameters(), lr=0.1), accum_steps=4, intake=intake, backend=backend
+    )
     for x, y in windows:
         for xb, yb in zip(x.chunk(4), y.chunk(4)):
             torch.autograd.grad(F.mse_loss(ours(xb), yb), list(ours.parameters()))

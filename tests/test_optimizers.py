@@ -11,14 +11,17 @@ import inspect
 
 import pytest
 import torch
+from test_optimizer import ADAM_EPS, PARITY, big_batch_run, classic_loop, data, mlp, rel_diff
 from torch.nn import functional as F
 
 import accumkernels as ak
-from test_optimizer import ADAM_EPS, PARITY, big_batch_run, classic_loop, data, mlp, rel_diff
 
 CLASSES = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}
-HYPER = {"AdamW": dict(lr=1e-2, eps=ADAM_EPS, weight_decay=0.1), "Adam": dict(lr=1e-2, eps=ADAM_EPS, amsgrad=True),
-         "SGD": dict(lr=0.05, momentum=0.9, nesterov=True)}  # fmt: skip
+HYPER = {
+    "AdamW": dict(lr=1e-2, eps=ADAM_EPS, weight_decay=0.1),
+    "Adam": dict(lr=1e-2, eps=ADAM_EPS, amsgrad=True),
+    "SGD": dict(lr=0.05, momentum=0.9, nesterov=True),
+}
 
 
 @pytest.mark.parametrize("name", list(CLASSES))
@@ -55,8 +58,10 @@ def test_param_groups_named_params_and_a_scheduler(backend):
 
     def groups(model):
         named = list(model.named_parameters())
-        return [{"params": [(n, p) for n, p in named if "weight" in n], "weight_decay": 0.1},
-                {"params": [(n, p) for n, p in named if "weight" not in n], "weight_decay": 0.0, "lr": 5e-3}]  # fmt: skip
+        return [
+            {"params": [(n, p) for n, p in named if "weight" in n], "weight_decay": 0.1},
+            {"params": [(n, p) for n, p in named if "weight" not in n], "weight_decay": 0.0, "lr": 5e-3},
+        ]
 
     plain_opt = torch.optim.AdamW(groups(plain), lr=1e-2, eps=ADAM_EPS)
     big_batch_run(plain, plain_opt, windows, scheduler=torch.optim.lr_scheduler.LinearLR(plain_opt, 1.0, 0.1, 4))
@@ -69,7 +74,9 @@ def test_param_groups_named_params_and_a_scheduler(backend):
         scheduler.step()
     assert rel_diff(ours, plain) <= PARITY  # the same window gradient: the fused step's rounding only
     assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in plain_opt.param_groups]
-    assert opt.state_dict()["param_groups"][0]["param_names"] == plain_opt.state_dict()["param_groups"][0]["param_names"]
+    assert (
+        opt.state_dict()["param_groups"][0]["param_names"] == plain_opt.state_dict()["param_groups"][0]["param_names"]
+    )
 
 
 @pytest.mark.parametrize("name", list(CLASSES))

@@ -6,11 +6,10 @@ pipeline must not train silently wrong (tests/pipeline_worker.py runs it)."""
 
 from __future__ import annotations
 
+import pipeline_worker as worker
 import pytest
 import torch
 import torch.distributed as dist
-
-import pipeline_worker as worker
 from helpers import assert_within_summation_noise
 from test_distributed import spawn
 
@@ -44,8 +43,12 @@ def test_each_stage_equals_one_process(runs, schedule):
     reference, alternates = runs[2][0][schedule]["reference"], runs[2][0][schedule]["alternates"]
     for stage, result in enumerate(r[schedule] for r in runs[2]):
         assert result["world_size"] == 1
-        assert_within_summation_noise(result["params"], _stage_reference(reference, stage),
-                                      [_stage_reference(a, stage) for a in alternates], worker.WINDOWS)  # fmt: skip
+        assert_within_summation_noise(
+            result["params"],
+            _stage_reference(reference, stage),
+            [_stage_reference(a, stage) for a in alternates],
+            worker.WINDOWS,
+        )
 
 
 def test_a_pp_by_dp_mesh_equals_one_process(runs):

@@ -65,8 +65,9 @@ def test_bad_input():
     with pytest.raises(RuntimeError, match=r"loss_fn\(model, 2\) failed: ZeroDivisionError"):
         ak.plan_window(model, lambda m, b: 1 / 0, global_batch=8, memory_budget="64MiB", optimizer=opt)
     with pytest.raises(ValueError, match="SGD, Adam and AdamW"):
-        ak.plan_window(model, loss_fn, global_batch=8, memory_budget="64MiB",
-                       optimizer=torch.optim.RMSprop(model.parameters()))  # fmt: skip
+        ak.plan_window(
+            model, loss_fn, global_batch=8, memory_budget="64MiB", optimizer=torch.optim.RMSprop(model.parameters())
+        )
     assert all(p.grad is None for p in model.parameters()) and not opt.state, "a failed plan leaves nothing behind"
 
 
@@ -101,8 +102,13 @@ def test_prediction_against_a_fresh_process(name, budget):
     from bench import plan as bench_plan
 
     model = bench_plan._model(name, torch.device("cpu"))
-    plan = ak.plan_window(model, bench_plan._loss_fn, global_batch=96, memory_budget=budget,
-                          optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))  # fmt: skip
+    plan = ak.plan_window(
+        model,
+        bench_plan._loss_fn,
+        global_batch=96,
+        memory_budget=budget,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+    )
     cfg = dict(device="cpu", model=name, micro_batch=plan.micro_batch_size, accum_steps=plan.accum_steps)
     measured = common.in_fresh_process("bench.plan", cfg)["measured_peak"]
     predicted_without_margin = plan.predicted_peak_bytes - plan.breakdown["margin"]

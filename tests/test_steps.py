@@ -8,9 +8,9 @@ import itertools
 
 import pytest
 import torch
+from helpers import DTYPE_IDS, adam64, assert_fp32_close, assert_rounded_close, randn, sgd64
 
 import accumkernels as ak
-from helpers import DTYPE_IDS, adam64, assert_fp32_close, assert_rounded_close, randn, sgd64
 
 PARAM_CASES = [
     (torch.float32, False),
@@ -79,10 +79,20 @@ def test_sgd_matches_float64(backend, dtype, with_master, case):
         g_decayed = g.abs() + case["weight_decay"] * p64.abs()
         expected.append((new_p, new_b, p64.abs() + (lr * 4 * g).abs() + (new_p - p64).abs() * 4, g_decayed))
     ak.sgd_step_and_zero_(
-        params, buffers, moms, lr=lr, momentum=case["momentum"], dampening=case["dampening"],
-        weight_decay=case["weight_decay"], nesterov=case["nesterov"], maximize=case["maximize"],
-        is_first_step=case["first"], grad_scale=grad_scale, master_params=masters, backend=backend,
-    )  # fmt: skip
+        params,
+        buffers,
+        moms,
+        lr=lr,
+        momentum=case["momentum"],
+        dampening=case["dampening"],
+        weight_decay=case["weight_decay"],
+        nesterov=case["nesterov"],
+        maximize=case["maximize"],
+        is_first_step=case["first"],
+        grad_scale=grad_scale,
+        master_params=masters,
+        backend=backend,
+    )
     for i, (new_p, new_b, mag, gmag) in enumerate(expected):
         _check_weights(params, masters, i, new_p, mag)
         if moms:
@@ -97,7 +107,10 @@ ADAM_CASES = list(itertools.product([False, True], [False, True], [0.0, 0.1], [F
 @pytest.mark.parametrize(
     "adamw,amsgrad,weight_decay,maximize",
     ADAM_CASES,
-    ids=[f"{'adamw' if a else 'adam'}{'-amsgrad' if s else ''}{'-wd' if w else ''}{'-max' if m else ''}" for a, s, w, m in ADAM_CASES],
+    ids=[
+        f"{'adamw' if a else 'adam'}{'-amsgrad' if s else ''}{'-wd' if w else ''}{'-max' if m else ''}"
+        for a, s, w, m in ADAM_CASES
+    ],
 )
 @pytest.mark.parametrize("dtype,with_master", PARAM_CASES, ids=PARAM_IDS)
 def test_adam_matches_float64(backend, dtype, with_master, adamw, amsgrad, weight_decay, maximize):
@@ -113,10 +126,20 @@ def test_adam_matches_float64(backend, dtype, with_master, adamw, amsgrad, weigh
         g = buffers[i].double() * 0.5 * (-1 if maximize else 1)
         p64 = _weights64(params, masters, i)
         out = adam64(
-            p64, g, exp_avgs[i].double(), exp_avg_sqs[i].double(), max_sqs[i].double() if max_sqs else None,
-            steps[i].item() + 1, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay,
-            amsgrad=amsgrad, adamw=adamw,
-        )  # fmt: skip
+            p64,
+            g,
+            exp_avgs[i].double(),
+            exp_avg_sqs[i].double(),
+            max_sqs[i].double() if max_sqs else None,
+            steps[i].item() + 1,
+            lr=lr,
+            beta1=betas[0],
+            beta2=betas[1],
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            adamw=adamw,
+        )
         # Sizes of the rounded terms: g (with the decay term for Adam), m's
         # terms, and m's rounding error carried through the update.
         gmag = g.abs() if adamw else g.abs() + weight_decay * p64.abs()
@@ -125,10 +148,22 @@ def test_adam_matches_float64(backend, dtype, with_master, adamw, amsgrad, weigh
     old_steps = [s.item() for s in steps]
     fn = ak.adamw_step_and_zero_ if adamw else ak.adam_step_and_zero_
     fn(
-        params, buffers, exp_avgs, exp_avg_sqs, steps, max_exp_avg_sqs=max_sqs, lr=lr, betas=betas, eps=eps,
-        weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale,
-        master_params=masters, backend=backend,
-    )  # fmt: skip
+        params,
+        buffers,
+        exp_avgs,
+        exp_avg_sqs,
+        steps,
+        max_exp_avg_sqs=max_sqs,
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        amsgrad=amsgrad,
+        maximize=maximize,
+        grad_scale=grad_scale,
+        master_params=masters,
+        backend=backend,
+    )
     for i, ((p, m, v, vmax, rate), gmag, mmag, p64) in enumerate(expected):
         _check_weights(params, masters, i, p, p64.abs() + 4 * (p - p64).abs() + rate * mmag)
         assert_fp32_close(exp_avgs[i], m, mmag)
@@ -160,19 +195,34 @@ def _ours(kind, params, buffers, state, step_index, hyper, backend):
     if kind == "sgd":
         momentum = h.get("momentum", 0.0)
         ak.sgd_step_and_zero_(
-            params, buffers, state["momentum_buffer"] if momentum else None, lr=h["lr"], momentum=momentum,
-            dampening=h.get("dampening", 0.0), weight_decay=h.get("weight_decay", 0.0),
-            nesterov=h.get("nesterov", False), maximize=h.get("maximize", False), is_first_step=step_index == 0,
+            params,
+            buffers,
+            state["momentum_buffer"] if momentum else None,
+            lr=h["lr"],
+            momentum=momentum,
+            dampening=h.get("dampening", 0.0),
+            weight_decay=h.get("weight_decay", 0.0),
+            nesterov=h.get("nesterov", False),
+            maximize=h.get("maximize", False),
+            is_first_step=step_index == 0,
             backend=backend,
-        )  # fmt: skip
+        )
     else:
         fn = ak.adam_step_and_zero_ if kind == "adam" else ak.adamw_step_and_zero_
         fn(
-            params, buffers, state["exp_avg"], state["exp_avg_sq"], state["step"],
-            max_exp_avg_sqs=state["max_exp_avg_sq"] if h.get("amsgrad") else None, lr=h["lr"],
-            betas=h.get("betas", (0.9, 0.999)), weight_decay=h.get("weight_decay", 0.0 if kind == "adam" else 1e-2),
-            amsgrad=h.get("amsgrad", False), maximize=h.get("maximize", False), backend=backend,
-        )  # fmt: skip
+            params,
+            buffers,
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            state["step"],
+            max_exp_avg_sqs=state["max_exp_avg_sq"] if h.get("amsgrad") else None,
+            lr=h["lr"],
+            betas=h.get("betas", (0.9, 0.999)),
+            weight_decay=h.get("weight_decay", 0.0 if kind == "adam" else 1e-2),
+            amsgrad=h.get("amsgrad", False),
+            maximize=h.get("maximize", False),
+            backend=backend,
+        )
 
 
 @pytest.mark.parametrize("kind,hyper", TORCH_CASES, ids=[f"{k}-{'-'.join(map(str, h))}" for k, h in TORCH_CASES])
@@ -227,12 +277,31 @@ def test_found_inf_skips_and_still_zeroes(backend, kind):
     before = [t.clone() for t in params + masters + state + state2 + steps]
     found_inf = torch.ones(1)
     if kind == "sgd":
-        ak.sgd_step_and_zero_(params, buffers, state, lr=0.1, momentum=0.9, weight_decay=0.1,
-                              found_inf=found_inf, master_params=masters, backend=backend)  # fmt: skip
+        ak.sgd_step_and_zero_(
+            params,
+            buffers,
+            state,
+            lr=0.1,
+            momentum=0.9,
+            weight_decay=0.1,
+            found_inf=found_inf,
+            master_params=masters,
+            backend=backend,
+        )
     else:
         fn = ak.adam_step_and_zero_ if kind == "adam" else ak.adamw_step_and_zero_
-        fn(params, buffers, state, state2, steps, lr=0.1, weight_decay=0.1, found_inf=found_inf,
-           master_params=masters, backend=backend)  # fmt: skip
+        fn(
+            params,
+            buffers,
+            state,
+            state2,
+            steps,
+            lr=0.1,
+            weight_decay=0.1,
+            found_inf=found_inf,
+            master_params=masters,
+            backend=backend,
+        )
     for b, a in zip(before, params + masters + state + state2 + steps):
         assert torch.equal(a, b), "a skipped step must leave params, masters, state and steps untouched"
     assert all(not b.any() for b in buffers), "a skipped step still clears the buffers"
@@ -298,8 +367,9 @@ def test_stochastic_rounding_same_bits_in_every_backend(backend):
     ours = [p.clone() for p in params]
     ref = [p.clone() for p in params]
     ak.sgd_step_and_zero_(ours, [b.clone() for b in buffers], lr=1.0, stochastic_rounding=True, seed=5, backend=backend)
-    ak.sgd_step_and_zero_(ref, [b.clone() for b in buffers], lr=1.0, stochastic_rounding=True, seed=5,
-                          backend="reference")  # fmt: skip
+    ak.sgd_step_and_zero_(
+        ref, [b.clone() for b in buffers], lr=1.0, stochastic_rounding=True, seed=5, backend="reference"
+    )
     for a, b in zip(ours, ref):
         assert torch.equal(a, b)
 
@@ -307,8 +377,16 @@ def test_stochastic_rounding_same_bits_in_every_backend(backend):
 def test_stochastic_rounding_excludes_master_weights(backend):
     p = [torch.randn(4).bfloat16()]
     with pytest.raises(ValueError, match="stochastic_rounding"):
-        ak.adamw_step_and_zero_(p, [torch.randn(4)], [torch.zeros(4)], [torch.zeros(4)], [torch.tensor(0.0)],
-                                stochastic_rounding=True, master_params=[p[0].float()], backend=backend)  # fmt: skip
+        ak.adamw_step_and_zero_(
+            p,
+            [torch.randn(4)],
+            [torch.zeros(4)],
+            [torch.zeros(4)],
+            [torch.tensor(0.0)],
+            stochastic_rounding=True,
+            master_params=[p[0].float()],
+            backend=backend,
+        )
 
 
 # ---- inf and NaN: torch's meaning in every backend --------------------------
@@ -332,8 +410,11 @@ def _same_nonfinite(ours: torch.Tensor, theirs: torch.Tensor, what: str) -> None
     torch.testing.assert_close(ours[finite], theirs[finite], rtol=2e-6, atol=2e-6, msg=what)
 
 
-@pytest.mark.parametrize("kind,hyper", NONFINITE_CASES,
-                         ids=[f"{k}-{'-'.join(f'{a}{b}' for a, b in h.items() if a != 'lr')}" for k, h in NONFINITE_CASES])  # fmt: skip
+@pytest.mark.parametrize(
+    "kind,hyper",
+    NONFINITE_CASES,
+    ids=[f"{k}-{'-'.join(f'{a}{b}' for a, b in h.items() if a != 'lr')}" for k, h in NONFINITE_CASES],
+)
 def test_nonfinite_gradients_as_torch(backend, kind, hyper):
     """inf, -inf and NaN gradient elements over two steps (the second step sees
     state the first made non-finite): params and every state tensor hold what
@@ -343,8 +424,13 @@ def test_nonfinite_gradients_as_torch(backend, kind, hyper):
     ours = [theirs.clone()]
     opt = _torch_optimizer(kind, [torch.nn.Parameter(theirs)], **hyper)
     param = opt.param_groups[0]["params"][0]
-    state = {"momentum_buffer": [torch.zeros(n)], "exp_avg": [torch.zeros(n)], "exp_avg_sq": [torch.zeros(n)],
-             "max_exp_avg_sq": [torch.zeros(n)], "step": [torch.tensor(0.0)]}  # fmt: skip
+    state = {
+        "momentum_buffer": [torch.zeros(n)],
+        "exp_avg": [torch.zeros(n)],
+        "exp_avg_sq": [torch.zeros(n)],
+        "max_exp_avg_sq": [torch.zeros(n)],
+        "step": [torch.tensor(0.0)],
+    }
     bad = [(3, float("inf")), (4, float("-inf")), (5, float("nan"))]
     for step_index in range(2):
         grad = torch.randn(n)
@@ -378,15 +464,23 @@ def test_stochastic_rounding_follows_memory_order(backend):
     update = (torch.randn(3, 5, 4, 6) * 1e-2).contiguous(memory_format=torch.channels_last)
     ours, ref = start.clone(memory_format=torch.preserve_format), start.clone(memory_format=torch.preserve_format)
     for out, b in ((ours, backend), (ref, "reference")):
-        ak.sgd_step_and_zero_([out], [update.clone(memory_format=torch.preserve_format)], lr=1.0,
-                              stochastic_rounding=True, seed=77, positions=[5], backend=b)  # fmt: skip
+        ak.sgd_step_and_zero_(
+            [out],
+            [update.clone(memory_format=torch.preserve_format)],
+            lr=1.0,
+            stochastic_rounding=True,
+            seed=77,
+            positions=[5],
+            backend=b,
+        )
     assert ours.is_contiguous(memory_format=torch.channels_last)
     assert torch.equal(ours, ref)
     # The same values laid out contiguously get the same bits per memory position, not per logical index.
     flat = start.permute(0, 2, 3, 1).contiguous()
     flat_update = update.permute(0, 2, 3, 1).contiguous()
-    ak.sgd_step_and_zero_([flat], [flat_update], lr=1.0, stochastic_rounding=True, seed=77, positions=[5],
-                          backend=backend)  # fmt: skip
+    ak.sgd_step_and_zero_(
+        [flat], [flat_update], lr=1.0, stochastic_rounding=True, seed=77, positions=[5], backend=backend
+    )
     assert torch.equal(flat, ours.permute(0, 2, 3, 1))
 
 
@@ -399,8 +493,15 @@ def test_stochastic_rounding_streams_follow_positions(backend):
     def rounded(position, first=False):
         params = [start.clone(), start.clone()] if first else [start.clone()]
         positions = [position, position + 1] if first else [position]
-        ak.sgd_step_and_zero_(params, [update.clone() for _ in params], lr=1.0, stochastic_rounding=True, seed=3,
-                              positions=positions, backend=backend)  # fmt: skip
+        ak.sgd_step_and_zero_(
+            params,
+            [update.clone() for _ in params],
+            lr=1.0,
+            stochastic_rounding=True,
+            seed=3,
+            positions=positions,
+            backend=backend,
+        )
         return params[0]
 
     assert torch.equal(rounded(11), rounded(11, first=True)), "the same stream id, the same bits, whatever the call"
@@ -437,8 +538,19 @@ def test_sgd_bf16_momentum_same_bits_as_reference(backend, param_dtype, first):
     runs = {}
     for name in (backend, "reference"):
         p, b, m = [x.clone() for x in params], [x.clone() for x in buffers], [x.clone() for x in moms]
-        ak.sgd_step_and_zero_(p, b, m, lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01, is_first_step=first,
-                              stochastic_rounding=param_dtype == torch.bfloat16, seed=99, backend=name)  # fmt: skip
+        ak.sgd_step_and_zero_(
+            p,
+            b,
+            m,
+            lr=0.1,
+            momentum=0.9,
+            dampening=0.1,
+            weight_decay=0.01,
+            is_first_step=first,
+            stochastic_rounding=param_dtype == torch.bfloat16,
+            seed=99,
+            backend=name,
+        )
         runs[name] = (p, m)
         assert all(not x.any() for x in b)
     for i in range(len(sizes)):
@@ -456,8 +568,9 @@ def test_sgd_bf16_momentum_same_bits_as_reference(backend, param_dtype, first):
         assert (err <= _bf16_ulp(exact) + 5 * 2.0**-24 * terms).all()
 
 
-@pytest.mark.parametrize("adamw,amsgrad", [(False, False), (True, False), (True, True)],
-                         ids=["adam", "adamw", "adamw-amsgrad"])  # fmt: skip
+@pytest.mark.parametrize(
+    "adamw,amsgrad", [(False, False), (True, False), (True, True)], ids=["adam", "adamw", "adamw-amsgrad"]
+)
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_adam_bf16_state_against_float64_and_reference(backend, param_dtype, adamw, amsgrad):
     """Adam's moments in bf16: each within one bf16 ulp of its float64 value
@@ -467,16 +580,28 @@ def test_adam_bf16_state_against_float64_and_reference(backend, param_dtype, ada
     sizes = [1, 7, 65537, 4099]
     params = [randn(n, torch.float32).to(param_dtype) for n in sizes]
     buffers = [randn(n, torch.float32) for n in sizes]
-    m0, v0, vmax0 = (_state_lists(sizes, torch.bfloat16, scale=s, positive=pos)[0]
-                     for s, pos in ((0.1, False), (0.01, True), (0.01, True)))  # fmt: skip
+    m0, v0, vmax0 = (
+        _state_lists(sizes, torch.bfloat16, scale=s, positive=pos)[0]
+        for s, pos in ((0.1, False), (0.01, True), (0.01, True))
+    )
     hyper = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, amsgrad=amsgrad)
     fn = ak.adamw_step_and_zero_ if adamw else ak.adam_step_and_zero_
     runs = {}
     for name in (backend, "reference"):
         p, m, v, vm = ([x.clone() for x in xs] for xs in (params, m0, v0, vmax0))
         steps = [torch.tensor(4.0) for _ in sizes]
-        fn(p, [b.clone() for b in buffers], m, v, steps, max_exp_avg_sqs=vm if amsgrad else None, seed=1234,
-           stochastic_rounding=param_dtype == torch.bfloat16, backend=name, **hyper)  # fmt: skip
+        fn(
+            p,
+            [b.clone() for b in buffers],
+            m,
+            v,
+            steps,
+            max_exp_avg_sqs=vm if amsgrad else None,
+            seed=1234,
+            stochastic_rounding=param_dtype == torch.bfloat16,
+            backend=name,
+            **hyper,
+        )
         runs[name] = (p, m, v, vm)
         assert all(s.item() == 5.0 for s in steps)
     for i in range(len(sizes)):
@@ -492,8 +617,10 @@ def test_adam_bf16_state_against_float64_and_reference(backend, param_dtype, ada
         # roundings of the terms' magnitude (which may cancel) from float64.
         m_terms = 0.9 * m0[i].double().abs() + 0.1 * g_terms
         v_terms = 0.95 * v0[i].double() + 0.05 * g_terms * g_terms
-        for got, want, terms, name in ((runs[backend][1][i], m64, m_terms, "exp_avg"),
-                                       (runs[backend][2][i], v64, v_terms, "exp_avg_sq")):  # fmt: skip
+        for got, want, terms, name in (
+            (runs[backend][1][i], m64, m_terms, "exp_avg"),
+            (runs[backend][2][i], v64, v_terms, "exp_avg_sq"),
+        ):
             assert got.dtype == torch.bfloat16
             err = (got.double() - want).abs()
             assert (err <= _bf16_ulp(want) + 8 * 2.0**-24 * terms).all(), name
@@ -519,8 +646,7 @@ def test_bf16_state_rounding_keeps_small_updates(backend):
     m = torch.zeros(n).bfloat16()
     g = torch.full((n,), 2.0)  # g^2 = 4: v64 = 0.999 * 1 + 0.001 * 4 = 1.003
     p = [torch.zeros(n)]
-    ak.adam_step_and_zero_(p, [g], [m], [v], [torch.tensor(0.0)], lr=1e-3, betas=(0.9, 0.999), seed=7,
-                           backend=backend)  # fmt: skip
+    ak.adam_step_and_zero_(p, [g], [m], [v], [torch.tensor(0.0)], lr=1e-3, betas=(0.9, 0.999), seed=7, backend=backend)
     assert set(v.unique().tolist()) == {1.0, 1.0078125}, "each element is one of the two bf16 neighbours"
     assert abs(v.double().mean().item() - 1.003) < 2e-4
 
@@ -528,8 +654,14 @@ def test_bf16_state_rounding_keeps_small_updates(backend):
 def test_state_dtype_is_one_per_call(backend):
     p = [torch.randn(4), torch.randn(4)]
     with pytest.raises(TypeError, match="one dtype"):
-        ak.adam_step_and_zero_(p, [torch.randn(4), torch.randn(4)], [torch.zeros(4), torch.zeros(4).bfloat16()],
-                               [torch.zeros(4), torch.zeros(4)], [torch.tensor(0.0)] * 2, backend=backend)  # fmt: skip
+        ak.adam_step_and_zero_(
+            p,
+            [torch.randn(4), torch.randn(4)],
+            [torch.zeros(4), torch.zeros(4).bfloat16()],
+            [torch.zeros(4), torch.zeros(4)],
+            [torch.tensor(0.0)] * 2,
+            backend=backend,
+        )
     with pytest.raises(TypeError, match="float32, bfloat16"):
         ak.sgd_step_and_zero_(p[:1], [torch.randn(4)], [torch.zeros(4).half()], lr=0.1, momentum=0.9, backend=backend)
 
@@ -542,8 +674,23 @@ def _random_fp32(n: int) -> torch.Tensor:
     finite values and the rounding edges of the low 16 bits among them."""
     x = torch.randn(n) * torch.exp2(torch.randint(-60, 60, (n,)).float())
     bits = x.view(torch.int32)
-    edges = torch.tensor([0x00000000, 0x80000000, 0x00000001, 0x00008000, 0x3F7F7FFF, 0x3F7F8000, 0x3F7FFFFF,
-                          0xBF7FFFFF - 2**32, 0x7F7FFFFF, 0x7F7F8000, 0x7F7E8000, 0x0000FFFF], dtype=torch.int64)
+    edges = torch.tensor(
+        [
+            0x00000000,
+            0x80000000,
+            0x00000001,
+            0x00008000,
+            0x3F7F7FFF,
+            0x3F7F8000,
+            0x3F7FFFFF,
+            0xBF7FFFFF - 2**32,
+            0x7F7FFFFF,
+            0x7F7F8000,
+            0x7F7E8000,
+            0x0000FFFF,
+        ],
+        dtype=torch.int64,
+    )
     bits[: len(edges)] = edges.to(torch.int32)
     return x
 
@@ -582,12 +729,27 @@ def test_remainders_step_like_fp32_masters_bit_for_bit(backend, kind):
         extra = [r.clone() for _, r in pairs] if use_remainders else [m.clone() for m in masters]
         state = [[torch.zeros(n) for n in sizes] for _ in range(2)]
         if kind == "sgd":
-            ak.sgd_step_and_zero_(params, [b.clone() for b in buffers], state[0], lr=0.1, momentum=0.9,
-                                  weight_decay=0.01, master_params=extra, backend=backend)  # fmt: skip
+            ak.sgd_step_and_zero_(
+                params,
+                [b.clone() for b in buffers],
+                state[0],
+                lr=0.1,
+                momentum=0.9,
+                weight_decay=0.01,
+                master_params=extra,
+                backend=backend,
+            )
         else:
-            ak.adamw_step_and_zero_(params, [b.clone() for b in buffers], state[0], state[1],
-                                    [torch.tensor(0.0) for _ in sizes], lr=1e-2, master_params=extra,
-                                    backend=backend)  # fmt: skip
+            ak.adamw_step_and_zero_(
+                params,
+                [b.clone() for b in buffers],
+                state[0],
+                state[1],
+                [torch.tensor(0.0) for _ in sizes],
+                lr=1e-2,
+                master_params=extra,
+                backend=backend,
+            )
         results.append((params, extra, state))
     (_, fp32_masters, fp32_state), (params, remainders, state) = results
     for i in range(len(sizes)):
@@ -612,12 +774,27 @@ def test_remainders_round_trip_in_every_backend(backend):
 
 def test_remainders_are_for_bf16_params(backend):
     with pytest.raises(TypeError, match="remainders are for bfloat16"):
-        ak.sgd_step_and_zero_([torch.randn(4).half()], [torch.randn(4)], lr=0.1,
-                              master_params=[torch.zeros(4, dtype=torch.int16)], backend=backend)  # fmt: skip
+        ak.sgd_step_and_zero_(
+            [torch.randn(4).half()],
+            [torch.randn(4)],
+            lr=0.1,
+            master_params=[torch.zeros(4, dtype=torch.int16)],
+            backend=backend,
+        )
     with pytest.raises(TypeError, match="one kind of master weights"):
-        ak.sgd_step_and_zero_([torch.randn(4).bfloat16()] * 1 + [torch.randn(4).bfloat16()], [torch.randn(4)] * 2,
-                              lr=0.1, master_params=[torch.zeros(4), torch.zeros(4, dtype=torch.int16)],
-                              backend=backend)  # fmt: skip
+        ak.sgd_step_and_zero_(
+            [torch.randn(4).bfloat16()] * 1 + [torch.randn(4).bfloat16()],
+            [torch.randn(4)] * 2,
+            lr=0.1,
+            master_params=[torch.zeros(4), torch.zeros(4, dtype=torch.int16)],
+            backend=backend,
+        )
     with pytest.raises(ValueError, match="exclude"):
-        ak.sgd_step_and_zero_([torch.randn(4).bfloat16()], [torch.randn(4)], lr=0.1, stochastic_rounding=True,
-                              master_params=[torch.zeros(4, dtype=torch.int16)], backend=backend)  # fmt: skip
+        ak.sgd_step_and_zero_(
+            [torch.randn(4).bfloat16()],
+            [torch.randn(4)],
+            lr=0.1,
+            stochastic_rounding=True,
+            master_params=[torch.zeros(4, dtype=torch.int16)],
+            backend=backend,
+        )

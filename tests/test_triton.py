@@ -27,9 +27,14 @@ ENV_WITHOUT_INTERPRETER = {k: v for k, v in os.environ.items() if k != "TRITON_I
 
 @pytest.fixture(scope="module")
 def compiled_variants():
-    out = subprocess.run([sys.executable, str(ROOT / "tests" / "triton_variants.py")], cwd=ROOT,
-                         env={**ENV_WITHOUT_INTERPRETER, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-                         timeout=1800)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "triton_variants.py")],
+        cwd=ROOT,
+        env={**ENV_WITHOUT_INTERPRETER, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     return [json.loads(line) for line in out.stdout.splitlines()]
 
@@ -71,8 +76,9 @@ def test_every_op_launches_under_its_tensors_device(monkeypatch):
     p, b = [torch.randn(40, device=device)], [torch.randn(40, device=device)]
     ak.accumulate_(b, [torch.randn(40, device=device).bfloat16()], backend="triton")
     ak.sgd_step_and_zero_(p, b, lr=0.1, backend="triton")
-    ak.adamw_step_and_zero_(p, b, [torch.zeros_like(p[0])], [torch.zeros_like(p[0])],
-                            [torch.zeros((), device=device)], backend="triton")  # fmt: skip
+    ak.adamw_step_and_zero_(
+        p, b, [torch.zeros_like(p[0])], [torch.zeros_like(p[0])], [torch.zeros((), device=device)], backend="triton"
+    )
     ak.grad_norm(b, backend="triton")
     assert seen == [device] * 4
 
@@ -95,8 +101,9 @@ def test_per_call_values_are_not_specialized():
     specialization on their value (== 1, divisible by 16, i32 or i64) would
     compile new variants during training. Checked on the compiled (not the
     interpreted) kernels."""
-    out = subprocess.run([sys.executable, "-c", NOT_SPECIALIZED], env=ENV_WITHOUT_INTERPRETER, capture_output=True,
-                         text=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", NOT_SPECIALIZED], env=ENV_WITHOUT_INTERPRETER, capture_output=True, text=True
+    )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
@@ -106,22 +113,30 @@ def test_a_second_call_with_other_values_hits_the_cache():
 
     def run(n, seed, lr):
         p = [torch.randn(n, device="cuda").bfloat16()]
-        ak.sgd_step_and_zero_(p, [torch.randn(n, device="cuda")], lr=lr, stochastic_rounding=True, seed=seed,
-                              backend="triton")  # fmt: skip
+        ak.sgd_step_and_zero_(
+            p, [torch.randn(n, device="cuda")], lr=lr, stochastic_rounding=True, seed=seed, backend="triton"
+        )
 
     run(1000, 3, 0.1)
-    compiled = sum(len(c) for c in sgd._sgd_kernel.device_caches.values()) if hasattr(
-        sgd._sgd_kernel, "device_caches") else len(sgd._sgd_kernel.cache)  # fmt: skip
+    compiled = (
+        sum(len(c) for c in sgd._sgd_kernel.device_caches.values())
+        if hasattr(sgd._sgd_kernel, "device_caches")
+        else len(sgd._sgd_kernel.cache)
+    )
     run(4000, 2**31 + 5, 0.01)  # other numel, chunk count, seed and lr
-    after = sum(len(c) for c in sgd._sgd_kernel.device_caches.values()) if hasattr(
-        sgd._sgd_kernel, "device_caches") else len(sgd._sgd_kernel.cache)  # fmt: skip
+    after = (
+        sum(len(c) for c in sgd._sgd_kernel.device_caches.values())
+        if hasattr(sgd._sgd_kernel, "device_caches")
+        else len(sgd._sgd_kernel.cache)
+    )
     assert after == compiled
 
 
 def test_listed_only_where_it_runs():
     code = "import torch, accumkernels as ak; print('triton' in ak.available_backends(), torch.cuda.is_available())"
-    out = subprocess.run([sys.executable, "-c", code], env=ENV_WITHOUT_INTERPRETER, capture_output=True, text=True,
-                         check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=ENV_WITHOUT_INTERPRETER, capture_output=True, text=True, check=True
+    )
     listed, has_cuda = out.stdout.split()
     assert listed == has_cuda, "without a GPU or the interpreter, triton must not be listed"
 

@@ -37,10 +37,18 @@ ACCUMULATE_CASES = {
     "int-grad": (lambda b, g: g.__setitem__(0, torch.ones(10, dtype=torch.int64)), TypeError, ["grads[0]", "int64"]),
     "numel-mismatch": (lambda b, g: g.__setitem__(1, torch.randn(13).half()), ValueError, ["grads[1]", "13", "12"]),
     "length-mismatch": (lambda b, g: g.pop(), ValueError, ["grads", "1", "2"]),
-    "device-mismatch": (lambda b, g: g.__setitem__(0, torch.randn(10, device="meta")), RuntimeError, ["grads[0]", "meta"]),
+    "device-mismatch": (
+        lambda b, g: g.__setitem__(0, torch.randn(10, device="meta")),
+        RuntimeError,
+        ["grads[0]", "meta"],
+    ),
     "sparse-grad": (lambda b, g: g.__setitem__(0, torch.randn(10).to_sparse()), TypeError, ["grads[0]", "sparse"]),
     "strided-grad": (lambda b, g: g.__setitem__(0, torch.randn(20).bfloat16()[::2]), ValueError, ["grads[0]", "dense"]),
-    "layout-mismatch": (lambda b, g: g.__setitem__(1, torch.randn(4, 3).half().t()), ValueError, ["grads[1]", "laid out"]),
+    "layout-mismatch": (
+        lambda b, g: g.__setitem__(1, torch.randn(4, 3).half().t()),
+        ValueError,
+        ["grads[1]", "laid out"],
+    ),
     "alias-own-grad": (lambda b, g: g.__setitem__(1, b[1]), ValueError, ["grads[1]", "buffers[1]"]),
     "overlapping-buffers": (lambda b, g: _overlap(b), ValueError, ["buffers[", "shares memory"]),
     "not-a-list": (lambda b, g: "tensor", TypeError, ["buffers", "list"]),
@@ -149,7 +157,11 @@ def test_adam_rejects(backend, kind, case):
 
 SGD_CASES = {
     "momentum-without-state": (dict(momentum=0.9), ValueError, "momentum_buffers"),
-    "state-without-momentum": (dict(momentum_buffers=[torch.zeros(10), torch.zeros(4, 3)]), ValueError, "momentum_buffers"),
+    "state-without-momentum": (
+        dict(momentum_buffers=[torch.zeros(10), torch.zeros(4, 3)]),
+        ValueError,
+        "momentum_buffers",
+    ),
     "nesterov-without-momentum": (dict(nesterov=True), ValueError, "nesterov"),
     "grad-scale-wrong-dtype": (dict(grad_scale=torch.ones(1, dtype=torch.bfloat16)), TypeError, "grad_scale"),
     "lr-string": (dict(lr="0.1"), TypeError, "lr"),
@@ -194,9 +206,23 @@ def test_native_ops_check_arguments_too(native_only):
         ops.accumulate_([torch.zeros(10)], [torch.zeros(11)], 1.0, None, False, None)
     with pytest.raises(TypeError, match=r"buffers\[0\]"):
         ops.accumulate_([torch.zeros(10).half()], [torch.zeros(10)], 1.0, None, False, None)
-    sgd = dict(momentum_buffers=[], master_params=[], lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.0,
-               nesterov=False, is_first_step=False, grad_scale=1.0, grad_scale_tensor=None, found_inf=None,
-               zero_buffers=True, stochastic_rounding=False, seed=0, positions=[])  # fmt: skip
+    sgd = dict(
+        momentum_buffers=[],
+        master_params=[],
+        lr=0.1,
+        momentum=0.0,
+        dampening=0.0,
+        weight_decay=0.0,
+        nesterov=False,
+        is_first_step=False,
+        grad_scale=1.0,
+        grad_scale_tensor=None,
+        found_inf=None,
+        zero_buffers=True,
+        stochastic_rounding=False,
+        seed=0,
+        positions=[],
+    )
     with pytest.raises(ValueError, match=r"buffers\[0\]"):
         ops.sgd_step_and_zero_(params=[torch.zeros(10)], buffers=[torch.zeros(9)], **sgd)
     with pytest.raises(ValueError, match="positions"):
@@ -204,5 +230,25 @@ def test_native_ops_check_arguments_too(native_only):
     with pytest.raises(ValueError, match=r"positions\[0\]"):
         ops.sgd_step_and_zero_(params=[torch.zeros(10)], buffers=[torch.zeros(10)], **{**sgd, "positions": [-1]})
     with pytest.raises(ValueError, match="state_steps"):
-        ops.adamw_step_and_zero_([torch.zeros(3)], [torch.zeros(3)], [torch.zeros(3)], [torch.zeros(3)], [], [],
-                                 [], 0.1, 0.9, 0.99, 1e-8, 0.0, False, 1.0, None, None, True, False, 0, [])  # fmt: skip
+        ops.adamw_step_and_zero_(
+            [torch.zeros(3)],
+            [torch.zeros(3)],
+            [torch.zeros(3)],
+            [torch.zeros(3)],
+            [],
+            [],
+            [],
+            0.1,
+            0.9,
+            0.99,
+            1e-8,
+            0.0,
+            False,
+            1.0,
+            None,
+            None,
+            True,
+            False,
+            0,
+            [],
+        )

@@ -23,42 +23,106 @@ TARGET = GPUTarget("cuda", 90, 32)
 DTYPES = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}
 BOOLS = (False, True)
 # The param kinds a step launch is compiled for: (dtype, MASTER_KIND, stochastic rounding).
-PARAM_KINDS = [("fp32", 0, False), ("bf16", 0, False), ("bf16", 0, True), ("bf16", 1, False), ("bf16", 2, False),
-               ("fp16", 0, False), ("fp16", 1, False)]  # fmt: skip
+PARAM_KINDS = [
+    ("fp32", 0, False),
+    ("bf16", 0, False),
+    ("bf16", 0, True),
+    ("bf16", 1, False),
+    ("bf16", 2, False),
+    ("fp16", 0, False),
+    ("fp16", 1, False),
+]
 STATE_DTYPES = ("fp32", "bf16")
 TABLE = {"table": "*i64", "T": "i32", "C": "i32"}
 # The optional scale and inf-flag tensors (a flag and a pointer each) and the
 # buffers' zeroing are runtime arguments, not variants.
-SCALARS = {"grad_scale": "fp32", "grad_scale_ptr": "*fp32", "has_grad_scale_tensor": "i1", "found_inf_ptr": "*fp32",
-           "has_found_inf": "i1", "zero_buffers": "i1", "seed": "i32"}  # fmt: skip
+SCALARS = {
+    "grad_scale": "fp32",
+    "grad_scale_ptr": "*fp32",
+    "has_grad_scale_tensor": "i1",
+    "found_inf_ptr": "*fp32",
+    "has_found_inf": "i1",
+    "zero_buffers": "i1",
+    "seed": "i32",
+}
 
 
 def variants():
     blocks = dict(CHUNK=_common.CHUNK, BLOCK=_common.BLOCK)
     for dtype, overwrite, aligned in itertools.product(DTYPES, BOOLS, BOOLS):
-        yield (f"accumulate-{dtype}-overwrite{overwrite:d}-aligned{aligned:d}", "accumulate",
-               {**TABLE, "scale": "fp32", "scale_ptr": "*fp32", "has_scale_tensor": "i1", "found_inf_ptr": "*fp32",
-                "has_found_inf": "i1"},
-               dict(GRAD_DTYPE=DTYPES[dtype], OVERWRITE=overwrite, ALIGNED=aligned, **blocks), aligned)  # fmt: skip
-    sgd_types = {**TABLE, **SCALARS, "lr": "fp32", "momentum": "fp32", "one_minus_dampening": "fp32",
-                 "weight_decay": "fp32", "nesterov": "i1", "has_weight_decay": "i1"}  # fmt: skip
-    adam_types = {**TABLE, **SCALARS, "scalars": "*fp64", "eps": "fp32", "weight_decay": "fp32",
-                  "one_minus_beta1": "fp32", "one_minus_beta2": "fp32", "beta2_f": "fp32", "adamw_decay": "fp32",
-                  "adamw": "i1", "has_weight_decay": "i1"}  # fmt: skip
+        yield (
+            f"accumulate-{dtype}-overwrite{overwrite:d}-aligned{aligned:d}",
+            "accumulate",
+            {
+                **TABLE,
+                "scale": "fp32",
+                "scale_ptr": "*fp32",
+                "has_scale_tensor": "i1",
+                "found_inf_ptr": "*fp32",
+                "has_found_inf": "i1",
+            },
+            dict(GRAD_DTYPE=DTYPES[dtype], OVERWRITE=overwrite, ALIGNED=aligned, **blocks),
+            aligned,
+        )
+    sgd_types = {
+        **TABLE,
+        **SCALARS,
+        "lr": "fp32",
+        "momentum": "fp32",
+        "one_minus_dampening": "fp32",
+        "weight_decay": "fp32",
+        "nesterov": "i1",
+        "has_weight_decay": "i1",
+    }
+    adam_types = {
+        **TABLE,
+        **SCALARS,
+        "scalars": "*fp64",
+        "eps": "fp32",
+        "weight_decay": "fp32",
+        "one_minus_beta1": "fp32",
+        "one_minus_beta2": "fp32",
+        "beta2_f": "fp32",
+        "adamw_decay": "fp32",
+        "adamw": "i1",
+        "has_weight_decay": "i1",
+    }
     for (dtype, master, sr), state, aligned in itertools.product(PARAM_KINDS, STATE_DTYPES, BOOLS):
-        common = dict(PARAM_DTYPE=DTYPES[dtype], MASTER_KIND=master, STOCHASTIC=sr, STATE_DTYPE=DTYPES[state],
-                      ALIGNED=aligned, **blocks)  # fmt: skip
+        common = dict(
+            PARAM_DTYPE=DTYPES[dtype],
+            MASTER_KIND=master,
+            STOCHASTIC=sr,
+            STATE_DTYPE=DTYPES[state],
+            ALIGNED=aligned,
+            **blocks,
+        )
         tag = f"{dtype}-master{master:d}-sr{sr:d}-state{state}-aligned{aligned:d}"
         for momentum in (0, 1, 2):
             yield f"sgd-{tag}-momentum{momentum}", "sgd", sgd_types, dict(MOMENTUM=momentum, **common), aligned
         for amsgrad in BOOLS:
             yield f"adam-{tag}-amsgrad{amsgrad:d}", "adam", adam_types, dict(AMSGRAD=amsgrad, **common), aligned
-    yield "increment-steps", "increment", {"table": "*i64", "T": "i32", "found_inf_ptr": "*fp32", "has_found_inf": "i1"}, \
-        {}, False
+    yield (
+        "increment-steps",
+        "increment",
+        {"table": "*i64", "T": "i32", "found_inf_ptr": "*fp32", "has_found_inf": "i1"},
+        {},
+        False,
+    )
     for aligned in BOOLS:
-        yield f"norm-partials-aligned{aligned:d}", "partials", {**TABLE, "partials_ptr": "*fp64"}, \
-            dict(ALIGNED=aligned, **blocks), aligned
-    yield "norm-finish", "finish", {"partials_ptr": "*fp64", "count": "i32", "out_ptr": "*fp32"}, dict(BLOCK=1024), False
+        yield (
+            f"norm-partials-aligned{aligned:d}",
+            "partials",
+            {**TABLE, "partials_ptr": "*fp64"},
+            dict(ALIGNED=aligned, **blocks),
+            aligned,
+        )
+    yield (
+        "norm-finish",
+        "finish",
+        {"partials_ptr": "*fp64", "count": "i32", "out_ptr": "*fp32"},
+        dict(BLOCK=1024),
+        False,
+    )
 
 
 KERNELS = {
@@ -79,8 +143,13 @@ def compile_one(variant) -> dict:
     options = {k: v for k, v in _common.OPTIONS.items()} or {"num_warps": _common.NUM_WARPS, "enable_fp_fusion": False}
     ptx = triton.compile(source, target=TARGET, options=options).asm["ptx"]
     accesses = sorted(set(re.findall(r"\b((?:ld|st)\.global(?:\.[a-z0-9]+)*)", ptx)))
-    return {"name": name, "kernel": kernel, "aligned": aligned, "accesses": accesses,
-            "fma_f32": len(re.findall(r"\bfma\.rn(?:\.ftz)?\.f32\b", ptx))}  # fmt: skip
+    return {
+        "name": name,
+        "kernel": kernel,
+        "aligned": aligned,
+        "accesses": accesses,
+        "fma_f32": len(re.findall(r"\bfma\.rn(?:\.ftz)?\.f32\b", ptx)),
+    }
 
 
 if __name__ == "__main__":

@@ -187,9 +187,26 @@ def _stochastic(stochastic_rounding: bool, seed: int, positions: list[int], i: i
     return (seed, _stream(positions, i)) if stochastic_rounding else None
 
 
-def sgd_step_and_zero_(*, params, buffers, momentum_buffers, master_params, lr, momentum, dampening, weight_decay,
-                       nesterov, is_first_step, grad_scale, grad_scale_tensor, found_inf, zero_buffers,
-                       stochastic_rounding, seed, positions):  # fmt: skip
+def sgd_step_and_zero_(
+    *,
+    params,
+    buffers,
+    momentum_buffers,
+    master_params,
+    lr,
+    momentum,
+    dampening,
+    weight_decay,
+    nesterov,
+    is_first_step,
+    grad_scale,
+    grad_scale_tensor,
+    found_inf,
+    zero_buffers,
+    stochastic_rounding,
+    seed,
+    positions,
+):
     """torch.optim.SGD's update with g = grad_scale * buffer."""
     s = _effective_scale(grad_scale, grad_scale_tensor)
     skip = _skip_flag(found_inf)
@@ -208,9 +225,30 @@ def sgd_step_and_zero_(*, params, buffers, momentum_buffers, master_params, lr, 
     _zero(buffers, zero_buffers)
 
 
-def _adam(adamw, *, params, buffers, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, lr, beta1,
-          beta2, eps, weight_decay, amsgrad, grad_scale, grad_scale_tensor, found_inf, zero_buffers,
-          stochastic_rounding, seed, positions):  # fmt: skip
+def _adam(
+    adamw,
+    *,
+    params,
+    buffers,
+    exp_avgs,
+    exp_avg_sqs,
+    max_exp_avg_sqs,
+    state_steps,
+    master_params,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    amsgrad,
+    grad_scale,
+    grad_scale_tensor,
+    found_inf,
+    zero_buffers,
+    stochastic_rounding,
+    seed,
+    positions,
+):
     s = _effective_scale(grad_scale, grad_scale_tensor)
     skip = _skip_flag(found_inf)
     for i, (param, buffer) in enumerate(zip(params, buffers)):

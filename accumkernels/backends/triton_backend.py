@@ -1,5 +1,5 @@
-"""The Triton backend (kernels in backends/triton/, one file per op): every op as Triton kernels behind torch.library custom ops
-(``torch.ops.accumkernels_triton.*``).
+"""The Triton backend (kernels in backends/triton/, one file per op): every op
+as Triton kernels behind torch.library custom ops (``torch.ops.accumkernels_triton.*``).
 
 Available where triton imports and either a CUDA device is present or
 ``TRITON_INTERPRET=1`` was set before this package was imported (the

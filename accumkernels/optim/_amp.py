@@ -164,8 +164,9 @@ def meet_driver(optimizer, *, intake, loss_scale: LossScale, ends_window: bool, 
         loss_scale.scaler = driver
 
 
-def check_exposed_window(optimizer, scaler, views: list[torch.Tensor], found_inf: torch.Tensor,
-                         device: torch.device) -> None:  # fmt: skip
+def check_exposed_window(
+    optimizer, scaler, views: list[torch.Tensor], found_inf: torch.Tensor, device: torch.device
+) -> None:
     """Intake "grad" at the window's end: the inf/NaN check of the buffers and,
     for a GradScaler that did not unscale this window (step() called directly),
     their unscaling, in one pass; the scaler is told the result."""

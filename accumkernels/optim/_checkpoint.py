@@ -42,7 +42,8 @@ def check_loadable(wrapper, state_dict: dict, extra: dict | None) -> None:
         if saved != (wrapper.world_size, wrapper.rank, wrapper.sharded):
             raise ValueError(
                 f"checkpoint is of rank {saved[1]} of {saved[0]} (sharded={saved[2]}); this wrapper is rank "
-                f"{wrapper.rank} of {wrapper.world_size} (sharded={wrapper.sharded}): each rank loads its own checkpoint"
+                f"{wrapper.rank} of {wrapper.world_size} (sharded={wrapper.sharded}): each rank loads its own "
+                "checkpoint"
             )
     elif wrapper.sharded:
         raise ValueError("sharded=True loads only its own state dicts (a plain optimizer's holds whole params)")
@@ -55,14 +56,17 @@ def check_loadable(wrapper, state_dict: dict, extra: dict | None) -> None:
             like = r.param if hasattr(value, "device_mesh") else r.param_view()
             if key == "step" or value.numel() == 1 and like.numel() != 1:
                 if value.numel() != 1:
-                    raise ValueError(f"checkpoint's {key!r} of param {r.index} has {value.numel()} elements; expected 1")
+                    raise ValueError(
+                        f"checkpoint's {key!r} of param {r.index} has {value.numel()} elements; expected 1"
+                    )
                 continue
             if not value.is_floating_point():
                 raise ValueError(f"checkpoint's {key!r} of param {r.index} has dtype {value.dtype}; expected a float")
             if tuple(value.shape) != tuple(like.shape):
                 raise ValueError(
                     f"checkpoint's {key!r} of param {r.index} has shape {tuple(value.shape)}; the param's "
-                    f"{'shard ' if r.shard is not None else ''}has shape {tuple(like.shape)} (a checkpoint of another model?)"
+                    f"{'shard ' if r.shard is not None else ''}has shape {tuple(like.shape)} (a checkpoint of another "
+                    "model?)"
                 )
     if extra is None:
         return
@@ -90,12 +94,16 @@ def check_loadable(wrapper, state_dict: dict, extra: dict | None) -> None:
         )
     for i, master in masters.items():
         if master.shape != ours[i].shape:
-            raise ValueError(f"checkpoint's master weights of param {i} have shape {tuple(master.shape)}; "
-                             f"expected {tuple(ours[i].shape)}")  # fmt: skip
+            raise ValueError(
+                f"checkpoint's master weights of param {i} have shape {tuple(master.shape)}; "
+                f"expected {tuple(ours[i].shape)}"
+            )
         if master.dtype != ours[i].dtype:
             kinds = {torch.float32: "master_weights=True (fp32)", torch.int16: "master_weights='remainders'"}
-            raise ValueError(f"checkpoint's master weights of param {i} are {master.dtype}, saved with "
-                             f"{kinds.get(master.dtype, master.dtype)}; this wrapper keeps {kinds[ours[i].dtype]}")  # fmt: skip
+            raise ValueError(
+                f"checkpoint's master weights of param {i} are {master.dtype}, saved with "
+                f"{kinds.get(master.dtype, master.dtype)}; this wrapper keeps {kinds[ours[i].dtype]}"
+            )
 
 
 def load_state_in_its_dtype(wrapper, state_dict: dict) -> None:

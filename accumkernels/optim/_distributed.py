@@ -93,11 +93,19 @@ class BucketReducer:
         integer = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
         if not len(self.layout):
             return torch.zeros(2, dtype=torch.int64, device=device)
-        sums = torch.stack([flat_view(r.param).view(integer[r.param.element_size()]).to(torch.int64).sum() % _PRIME
-                            for r in self.layout])  # fmt: skip
+        sums = torch.stack(
+            [
+                flat_view(r.param).view(integer[r.param.element_size()]).to(torch.int64).sum() % _PRIME
+                for r in self.layout
+            ]
+        )
         position = torch.arange(1, sums.numel() + 1, dtype=torch.int64, device=device)
-        return torch.stack([(sums * position % _PRIME).sum() % 2**20, (sums * (position * position % _PRIME)
-                            % _PRIME).sum() % _PRIME % 2**20])  # fmt: skip
+        return torch.stack(
+            [
+                (sums * position % _PRIME).sum() % 2**20,
+                (sums * (position * position % _PRIME) % _PRIME).sum() % _PRIME % 2**20,
+            ]
+        )
 
     @property
     def started(self) -> bool:
@@ -197,8 +205,13 @@ class BucketReducer:
         self.launch_remaining()
         hashes = None if self.replicas_checked else self.replica_hashes()
         found_inf, items, micro_steps, unlike = all_reduce_window(
-            self.group, self.window, self.layout, check_inf, while_waiting=None if self.finished else self.finish,
-            replica_hashes=hashes)  # fmt: skip
+            self.group,
+            self.window,
+            self.layout,
+            check_inf,
+            while_waiting=None if self.finished else self.finish,
+            replica_hashes=hashes,
+        )
         self.replicas_checked = True
         if unlike:
             _refuse_unlike_params(self.group, "different param values")
@@ -268,8 +281,7 @@ def sum_over_ranks(value: torch.Tensor, group) -> torch.Tensor:
     return total.reshape(())
 
 
-def all_reduce_window(group, window: Window, layout: Layout, check_inf: bool, while_waiting=None,
-                      replica_hashes=None):  # fmt: skip
+def all_reduce_window(group, window: Window, layout: Layout, check_inf: bool, while_waiting=None, replica_hashes=None):
     """One float64 all-reduce of [inf flag, items, micro-steps, a got-a-gradient
     mask over params] (``while_waiting`` runs while it is in flight). Leaves
     ``window.touched`` as the union over ranks (the mask is read on the host:
@@ -282,11 +294,13 @@ def all_reduce_window(group, window: Window, layout: Layout, check_inf: bool, wh
     device = layout.flat.device
     flag = window.found_inf if check_inf else torch.zeros(1, device=device)
     items = window.items if isinstance(window.items, torch.Tensor) else torch.tensor(float(window.items))
-    head = torch.stack([
-        flag.reshape(()).to(device, torch.float64),
-        items.reshape(()).to(device, torch.float64),
-        torch.tensor(float(window.micro_steps), dtype=torch.float64, device=device),
-    ])  # fmt: skip
+    head = torch.stack(
+        [
+            flag.reshape(()).to(device, torch.float64),
+            items.reshape(()).to(device, torch.float64),
+            torch.tensor(float(window.micro_steps), dtype=torch.float64, device=device),
+        ]
+    )
     mask = torch.zeros(len(layout), dtype=torch.float64)
     mask[sorted(window.touched)] = 1.0
     hashes = torch.zeros(0, dtype=torch.float64, device=device)
@@ -340,7 +354,9 @@ def take_over_ddp(ddp, window: Window) -> None:
     in ``window`` at every forward (idempotent)."""
     if getattr(ddp, "_accumkernels_window", None) is not None:
         if ddp._accumkernels_window() is not window:
-            raise RuntimeError("this DistributedDataParallel module is already taken over by another AccumulatingOptimizer")
+            raise RuntimeError(
+                "this DistributedDataParallel module is already taken over by another AccumulatingOptimizer"
+            )
         return
     if getattr(ddp, "static_graph", False) or getattr(ddp, "_use_python_reducer", False):
         raise RuntimeError(

@@ -41,8 +41,9 @@ class FoldedGrad(torch.Tensor):
 
     @staticmethod
     def __new__(cls, param: torch.Tensor, index: int):
-        return torch.Tensor._make_wrapper_subclass(cls, param.shape, strides=param.stride(), dtype=param.dtype,
-                                                   device=param.device, requires_grad=False)  # fmt: skip
+        return torch.Tensor._make_wrapper_subclass(
+            cls, param.shape, strides=param.stride(), dtype=param.dtype, device=param.device, requires_grad=False
+        )
 
     def __init__(self, param: torch.Tensor, index: int) -> None:
         self.index = index
@@ -92,9 +93,7 @@ class FoldedGrad(torch.Tensor):
         )
 
     def __repr__(self) -> str:
-        return (f"FoldedGrad(param {self.index}, shape {tuple(self.shape)}: folded into AccumulatingOptimizer's fp32 "
-                "buffer; opt.accumulated_grad(param) reads it)")  # fmt: skip
-
-    def __deepcopy__(self, memo):
-        raise RuntimeError("a .grad folded by AccumulatingOptimizer (intake='hooks') cannot be copied: copy the model "
-                           "before wrapping it or after opt.close(), or set .grad to None first")  # fmt: skip
+        return (
+            f"FoldedGrad(param {self.index}, shape {tuple(self.shape)}: folded into AccumulatingOptimizer's fp32 "
+            "buffer; opt.accumulated_grad(param) reads it)"
+        )

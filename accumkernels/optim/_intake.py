@@ -7,7 +7,8 @@ run in ``torch.autograd.grad()``, which accumulates nothing;
 FSDP2: a post-accumulate-grad hook, once FSDP2 handed the reduced shard over);
 when a bucket's gradients are all there, one ``accumulate_`` call folds them
 into the buffers (cast, loss-scale and inf check in the same pass; a param's
-first gradient of a window overwrites its buffer, so nothing is ever zeroed). At most a bucket's worth of gradients lives beside the buffers.
+first gradient of a window overwrites its buffer, so nothing is ever zeroed).
+At most a bucket's worth of gradients lives beside the buffers.
 ``.grad`` holds a ``FoldedGrad`` marker (accumkernels.optim._folded) that
 raises, naming what to use instead, wherever code tries to read it.
 
@@ -72,8 +73,17 @@ class Intake:
     name = ""
     zero_buffers_at_step = False
 
-    def __init__(self, layout: Layout, window: Window, *, backend: str | None, skip_nonfinite: bool,
-                 loss_scale, accum_steps: int | None, bucket_done=None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        layout: Layout,
+        window: Window,
+        *,
+        backend: str | None,
+        skip_nonfinite: bool,
+        loss_scale,
+        accum_steps: int | None,
+        bucket_done=None,
+    ) -> None:
         # loss_scale(): the factor that unscales this micro-step's gradients (1.0 or a tensor);
         # bucket_done(bucket): called when this rank's window sum of a bucket is final
         # (distributed runs), during the backward of the window's last micro-step.
@@ -321,8 +331,14 @@ class HookIntake(Intake):
             seen.add(r.index)
         for overwrite, pairs in ((True, first), (False, more)):
             if pairs:
-                ops.accumulate_([r.buffer for r, _ in pairs], [g for _, g in pairs], scale, overwrite=overwrite,
-                                found_inf=found_inf, backend=self.backend)  # fmt: skip
+                ops.accumulate_(
+                    [r.buffer for r, _ in pairs],
+                    [g for _, g in pairs],
+                    scale,
+                    overwrite=overwrite,
+                    found_inf=found_inf,
+                    backend=self.backend,
+                )
         for r, _ in taken:
             touched.add(r.index)
             if r.local_of is not None:
@@ -340,13 +356,21 @@ class HookIntake(Intake):
                 "backward), or use intake='grad'"
             )
         self.flush()
-        for r in self.layout:  # a .grad no hook took (left from before wrapping, or assigned): dropped, as in plain PyTorch
-            if r.local_of is None and r.param.grad is not None and r.param.grad is not self._markers.get(r.index, (0, 0))[1]:
+        for (
+            r
+        ) in self.layout:  # a .grad no hook took (left from before wrapping, or assigned): dropped, as in plain PyTorch
+            if (
+                r.local_of is None
+                and r.param.grad is not None
+                and r.param.grad is not self._markers.get(r.index, (0, 0))[1]
+            ):
                 r.param.grad = None
 
     def set_grad(self, r: ParamRecord, grad: torch.Tensor | None) -> None:
         """``.grad`` for the fallback optimizer's step, then back to the marker (None under FSDP2)."""
-        r.param.grad = grad if grad is not None or r.local_of is not None else self._markers.get(r.index, (None, None))[1]
+        r.param.grad = (
+            grad if grad is not None or r.local_of is not None else self._markers.get(r.index, (None, None))[1]
+        )
 
 
 class GradIntake(Intake):

@@ -109,8 +109,10 @@ def collect_params(optimizer) -> tuple[list[torch.Tensor], list[int]]:
         for p in group["params"]:
             if id(p) in seen:
                 # torch.optim warns of duplicates in a group (and will refuse them): it steps such a param twice.
-                raise ValueError(f"param group {g} lists a param that is already listed (in this group or an earlier "
-                                 "one): list each param once")  # fmt: skip
+                raise ValueError(
+                    f"param group {g} lists a param that is already listed (in this group or an earlier "
+                    "one): list each param once"
+                )
             if p.layout != torch.strided:
                 raise TypeError(f"param group {g} holds a {p.layout} param; only dense params are supported")
             seen.add(id(p))
@@ -131,15 +133,25 @@ class Layout:
     the wrapper shards optimizer state); buckets are padded for it.
     """
 
-    def __init__(self, params: list[torch.Tensor], groups: list[int], device: torch.device,
-                 bucket_cap_mb: float, shard_ranks: int = 1, local=None, unit_of=None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        groups: list[int],
+        device: torch.device,
+        bucket_cap_mb: float,
+        shard_ranks: int = 1,
+        local=None,
+        unit_of=None,
+    ) -> None:
         # `local` maps a param to the tensor whose elements the buffers hold
         # (a DTensor's local shard under FSDP2); None: the param itself.
         # `unit_of` maps a param to the unit its gradients arrive with (FSDP2:
         # its fully_shard module); a bucket never spans two, so it is folded as
         # soon as its unit's gradients are in.
-        self.records = [ParamRecord(p, local, i, g, 0, dtype=p.dtype, device=p.device)
-                        for i, (p, g) in enumerate(zip(params, groups))]  # fmt: skip
+        self.records = [
+            ParamRecord(p, local, i, g, 0, dtype=p.dtype, device=p.device)
+            for i, (p, g) in enumerate(zip(params, groups))
+        ]
         self._by_id = {id(r.param): r for r in self.records}
         cap = bucket_cap_mb * 2**20
         unit = unit_of or (lambda p: None)

@@ -17,7 +17,6 @@ from ._layout import collect_params
 from ._update import MASTER_WEIGHTS, STATE_DTYPES, optimizer_kind
 from ._window import NORMALIZE
 
-
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -45,12 +44,28 @@ class Options(NamedTuple):
     rank: int
 
 
-def check_options(optimizer, accum_steps, *, normalize, max_grad_norm, master_weights, stochastic_rounding, state_dtype,
-                  seed, intake, bucket_cap_mb, process_group, sharded, wire_dtype) -> Options:  # fmt: skip
+def check_options(
+    optimizer,
+    accum_steps,
+    *,
+    normalize,
+    max_grad_norm,
+    master_weights,
+    stochastic_rounding,
+    state_dtype,
+    seed,
+    intake,
+    bucket_cap_mb,
+    process_group,
+    sharded,
+    wire_dtype,
+) -> Options:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
     accum_steps = getattr(accum_steps, "accum_steps", accum_steps)  # a WindowPlan gives its own
-    if accum_steps is not None and (isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1):
+    if accum_steps is not None and (
+        isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1
+    ):
         raise ValueError(f"accum_steps must be None or an int >= 1; got {accum_steps!r}")
     if normalize not in NORMALIZE:
         raise ValueError(f"normalize must be one of {NORMALIZE}; got {normalize!r}")
@@ -68,12 +83,18 @@ def check_options(optimizer, accum_steps, *, normalize, max_grad_norm, master_we
     if isinstance(master_weights, str) and master_weights != "remainders" or master_weights not in MASTER_WEIGHTS:
         raise ValueError(f"master_weights must be False, True (fp32 copies) or 'remainders'; got {master_weights!r}")
     if stochastic_rounding not in (None, True, False):
-        raise ValueError(f"stochastic_rounding must be None (bf16 params without master weights), True or False; "
-                         f"got {stochastic_rounding!r}")  # fmt: skip
+        raise ValueError(
+            f"stochastic_rounding must be None (bf16 params without master weights), True or False; "
+            f"got {stochastic_rounding!r}"
+        )
     if state_dtype not in STATE_DTYPES:
         raise ValueError(f"state_dtype must be None, torch.float32 or torch.bfloat16; got {state_dtype!r}")
-    for flag, name in ((master_weights, "master_weights"), (stochastic_rounding, "stochastic_rounding=True"),
-                       (state_dtype is not None, "state_dtype"), (sharded, "sharded=True")):  # fmt: skip
+    for flag, name in (
+        (master_weights, "master_weights"),
+        (stochastic_rounding, "stochastic_rounding=True"),
+        (state_dtype is not None, "state_dtype"),
+        (sharded, "sharded=True"),
+    ):
         if flag and optimizer_kind(optimizer) == "fallback":
             raise ValueError(f"{name} needs SGD, Adam or AdamW (the fused step); got {type(optimizer).__name__}")
     if master_weights and stochastic_rounding:
@@ -105,18 +126,24 @@ def check_options(optimizer, accum_steps, *, normalize, max_grad_norm, master_we
         )
     if stochastic_rounding and not any(p.dtype == torch.bfloat16 for p in params):
         dtypes = sorted({str(p.dtype) for p in params})
-        raise ValueError(f"stochastic_rounding=True rounds bf16 params, and this optimizer has none (its params are "
-                         f"{', '.join(dtypes) or 'none'}): leave it None")  # fmt: skip
+        raise ValueError(
+            f"stochastic_rounding=True rounds bf16 params, and this optimizer has none (its params are "
+            f"{', '.join(dtypes) or 'none'}): leave it None"
+        )
     if sharded:
         strided = [i for i, p in enumerate(params) if not is_dense(p)]
         if strided:
-            raise ValueError(f"sharded=True splits params in memory order; params {strided[:5]} are non-dense views "
-                             "(e.g. a column slice): make them contiguous, or leave sharded=False")  # fmt: skip
+            raise ValueError(
+                f"sharded=True splits params in memory order; params {strided[:5]} are non-dense views "
+                "(e.g. a column slice): make them contiguous, or leave sharded=False"
+            )
     if master_weights == "remainders":
         fp16 = [i for i, p in enumerate(params) if p.dtype == torch.float16]
         if fp16:
-            raise ValueError(f"master_weights='remainders' holds the low 16 bits of bf16 params' fp32 masters; params "
-                             f"{fp16[:5]} are float16: use master_weights=True (fp32 copies)")  # fmt: skip
+            raise ValueError(
+                f"master_weights='remainders' holds the low 16 bits of bf16 params' fp32 masters; params "
+                f"{fp16[:5]} are float16: use master_weights=True (fp32 copies)"
+            )
     mesh = _fsdp_mesh(params, intake, sharded, process_group, wire_dtype)
     devices = {p.device for p in params}
     if len(devices) > 1:
@@ -142,8 +169,10 @@ def _data_parallel_group(params, process_group, initialized):
 
     if isinstance(process_group, DeviceMesh):
         if process_group.ndim != 1:
-            raise ValueError(f"process_group= a {process_group.ndim}-D DeviceMesh; pass its data-parallel dimension "
-                             "(e.g. mesh['dp'])")  # fmt: skip
+            raise ValueError(
+                f"process_group= a {process_group.ndim}-D DeviceMesh; pass its data-parallel dimension "
+                "(e.g. mesh['dp'])"
+            )
         return process_group.get_group()
     if process_group is not None or not initialized:
         return process_group
@@ -159,11 +188,15 @@ def _fsdp_mesh(params, intake, sharded, process_group, wire_dtype):
     if not params or not _fsdp.is_sharded(params):
         return None
     if sharded or process_group is not None or wire_dtype != torch.float32:
-        raise ValueError("sharded=, process_group= and wire_dtype= are for plain params: FSDP2 shards and reduces "
-                         "the gradients of its DTensor params itself")  # fmt: skip
+        raise ValueError(
+            "sharded=, process_group= and wire_dtype= are for plain params: FSDP2 shards and reduces "
+            "the gradients of its DTensor params itself"
+        )
     if intake == "grad":
-        raise ValueError("an FSDP2 model needs intake='hooks' (pass accum_steps=N; clip with max_grad_norm=): "
-                         "FSDP2 hands each micro-step's reduced shard over in .grad")  # fmt: skip
+        raise ValueError(
+            "an FSDP2 model needs intake='hooks' (pass accum_steps=N; clip with max_grad_norm=): "
+            "FSDP2 hands each micro-step's reduced shard over in .grad"
+        )
     if _distributed.ddp_modules_holding(params):
         raise ValueError("these params are both FSDP2-sharded and held by DistributedDataParallel: use one")
     return _fsdp.mesh_of(params)

@@ -34,8 +34,11 @@ def stages_holding(params) -> list:
     except ImportError:  # torch without pipelining
         return []
     ids = {id(p) for p in params}
-    return [obj for obj in gc.get_objects()
-            if issubclass(type(obj), _PipelineStageBase) and any(id(p) in ids for p in obj.submod.parameters())]  # fmt: skip
+    return [
+        obj
+        for obj in gc.get_objects()
+        if issubclass(type(obj), _PipelineStageBase) and any(id(p) in ids for p in obj.submod.parameters())
+    ]
 
 
 def _same_group(a, b) -> bool:

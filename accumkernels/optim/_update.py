@@ -18,8 +18,11 @@ from ._fsdp import local_tensor
 from ._layout import Layout, ParamRecord
 
 KINDS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
-_STATE_KEYS = {"sgd": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
-               "adamw": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")}  # fmt: skip
+_STATE_KEYS = {
+    "sgd": ("momentum_buffer",),
+    "adam": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+    "adamw": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+}
 
 
 MASTER_WEIGHTS = (False, True, "remainders")
@@ -94,8 +97,17 @@ def _write_back(views: list[torch.Tensor], stepped: list[torch.Tensor]) -> None:
 class Updater:
     """Steps the params of a window from the buffers."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, layout: Layout, *, master_weights, stochastic_rounding,
-                 state_dtype, backend: str | None, sync=None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        layout: Layout,
+        *,
+        master_weights,
+        stochastic_rounding,
+        state_dtype,
+        backend: str | None,
+        sync=None,
+    ) -> None:
         # sync: the window's cross-rank part (None on one process), for global
         # norms and stochastic-rounding stream ids.
         self.sync = sync
@@ -104,9 +116,12 @@ class Updater:
         self.layout = layout
         self.backend = backend
         for r in layout:
-            r.precision = precision_of(r.param.dtype, master_weights=master_weights if self.kind != "fallback" else False,
-                                       stochastic_rounding=stochastic_rounding if self.kind != "fallback" else False,
-                                       state_dtype=state_dtype if self.kind != "fallback" else torch.float32)  # fmt: skip
+            r.precision = precision_of(
+                r.param.dtype,
+                master_weights=master_weights if self.kind != "fallback" else False,
+                stochastic_rounding=stochastic_rounding if self.kind != "fallback" else False,
+                state_dtype=state_dtype if self.kind != "fallback" else torch.float32,
+            )
 
     def make_masters(self) -> None:
         """The master weights of the params this rank steps: an fp32 copy, or
@@ -114,7 +129,9 @@ class Updater:
         for r in self.layout:
             if r.precision.master is not None and r.stepped_here:
                 view = r.param_view().detach()
-                r.master = view.float().clone() if r.precision.master == "fp32" else torch.zeros_like(view, dtype=torch.int16)
+                r.master = (
+                    view.float().clone() if r.precision.master == "fp32" else torch.zeros_like(view, dtype=torch.int16)
+                )
 
     @property
     def state_keys(self) -> tuple[str, ...]:
@@ -164,7 +181,7 @@ class Updater:
             self._fallback(records, grad_scale, found_inf, intake)
             return
         chosen = {r.index for r in records if r.stepped_here}
-        for g, group in enumerate(self.optimizer.param_groups):
+        for group in self.optimizer.param_groups:
             members = [r for r in (self.layout.record(p) for p in group["params"]) if r.index in chosen]
             # One kernel call per (master weights, state dtype) and, for SGD,
             # first momentum step or not: a call takes one kind of each.
@@ -199,8 +216,14 @@ class Updater:
             if r.param is not r.local:  # a DTensor param
                 from torch.distributed.tensor import DTensor
 
-                value = DTensor.from_local(fresh, r.param.device_mesh, r.param.placements, run_check=False,
-                                           shape=r.param.shape, stride=r.param.stride())  # fmt: skip
+                value = DTensor.from_local(
+                    fresh,
+                    r.param.device_mesh,
+                    r.param.placements,
+                    run_check=False,
+                    shape=r.param.shape,
+                    stride=r.param.stride(),
+                )
             state[key] = value
         return local
 
@@ -211,11 +234,16 @@ class Updater:
 
     def _common(self, group, subset, grad_scale, found_inf, seed, zero_buffers) -> dict:
         return dict(
-            grad_scale=grad_scale, found_inf=found_inf, maximize=group.get("maximize", False),
+            grad_scale=grad_scale,
+            found_inf=found_inf,
+            maximize=group.get("maximize", False),
             master_params=[r.master for r in subset] if subset[0].master is not None else None,
-            zero_buffers=zero_buffers, stochastic_rounding=any(r.precision.stochastic for r in subset), seed=seed,
-            positions=[self._stream_id(r) for r in subset], backend=self.backend,
-        )  # fmt: skip
+            zero_buffers=zero_buffers,
+            stochastic_rounding=any(r.precision.stochastic for r in subset),
+            seed=seed,
+            positions=[self._stream_id(r) for r in subset],
+            backend=self.backend,
+        )
 
     def _sgd(self, group, subset, grad_scale, found_inf, seed, zero_buffers) -> None:
         momentum = group["momentum"]
@@ -229,12 +257,17 @@ class Updater:
             views = [r.param_view() for r in chosen]
             stepped = _dense(views)
             ops.sgd_step_and_zero_(
-                stepped, [r.buffer_view() for r in chosen],
+                stepped,
+                [r.buffer_view() for r in chosen],
                 [self._state_like(r, "momentum_buffer") for r in chosen] if momentum else None,
-                lr=_number(group["lr"]), momentum=momentum, dampening=group["dampening"],
-                weight_decay=group["weight_decay"], nesterov=group["nesterov"], is_first_step=is_first,
+                lr=_number(group["lr"]),
+                momentum=momentum,
+                dampening=group["dampening"],
+                weight_decay=group["weight_decay"],
+                nesterov=group["nesterov"],
+                is_first_step=is_first,
                 **self._common(group, chosen, grad_scale, found_inf, seed, zero_buffers),
-            )  # fmt: skip
+            )
             _write_back(views, stepped)
 
     def _adam(self, group, subset, grad_scale, found_inf, seed, zero_buffers) -> None:
@@ -244,7 +277,12 @@ class Updater:
         for r in subset:
             state = self.optimizer.state[r.param]
             step = state.get("step")
-            if step is None or not torch.is_tensor(step) or step.device != r.local.device or step.dtype != torch.float32:
+            if (
+                step is None
+                or not torch.is_tensor(step)
+                or step.device != r.local.device
+                or step.dtype != torch.float32
+            ):
                 step = torch.tensor(float(step or 0.0), dtype=torch.float32, device=r.local.device)
                 state["step"] = step
             steps.append(step)
@@ -252,13 +290,19 @@ class Updater:
         views = [r.param_view() for r in subset]
         stepped = _dense(views)
         fn(
-            stepped, [r.buffer_view() for r in subset],
-            [self._state_like(r, "exp_avg") for r in subset], [self._state_like(r, "exp_avg_sq") for r in subset],
-            steps, max_exp_avg_sqs=[self._state_like(r, "max_exp_avg_sq") for r in subset] if amsgrad else None,
-            lr=_number(group["lr"]), betas=tuple(_number(b) for b in group["betas"]), eps=group["eps"],
-            weight_decay=group["weight_decay"], amsgrad=amsgrad,
+            stepped,
+            [r.buffer_view() for r in subset],
+            [self._state_like(r, "exp_avg") for r in subset],
+            [self._state_like(r, "exp_avg_sq") for r in subset],
+            steps,
+            max_exp_avg_sqs=[self._state_like(r, "max_exp_avg_sq") for r in subset] if amsgrad else None,
+            lr=_number(group["lr"]),
+            betas=tuple(_number(b) for b in group["betas"]),
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            amsgrad=amsgrad,
             **self._common(group, subset, grad_scale, found_inf, seed, zero_buffers),
-        )  # fmt: skip
+        )
         _write_back(views, stepped)
 
     def _fallback(self, records, grad_scale, found_inf, intake) -> None:

@@ -100,20 +100,25 @@ class Window:
         # window's total must be > 0, which normalization() checks.
         if isinstance(num_items, torch.Tensor):
             if num_items.numel() != 1 or num_items.dtype == torch.bool or num_items.is_complex():
-                raise ValueError(f"num_items must be a 1-element real tensor; got {num_items.numel()} elements of "
-                                 f"{num_items.dtype}")  # fmt: skip
+                raise ValueError(
+                    f"num_items must be a 1-element real tensor; got {num_items.numel()} elements of {num_items.dtype}"
+                )
             items = num_items.reshape(()).to(self.device, torch.float32)
             # On the device, without a host sync (on the CPU it raises here).
             torch._assert_async(items >= 0, "num_items must be >= 0 (a count of items)")
             self.items = self.items + items
         else:
             if isinstance(num_items, bool) or not isinstance(num_items, numbers.Real) or not 0 <= num_items < math.inf:
-                raise ValueError(f"num_items must be a number >= 0 (this micro-batch's items) or a 1-element tensor; "
-                                 f"got {num_items!r}")  # fmt: skip
+                raise ValueError(
+                    f"num_items must be a number >= 0 (this micro-batch's items) or a 1-element tensor; "
+                    f"got {num_items!r}"
+                )
             total = self.items + float(num_items)
             if ends_window and not isinstance(total, torch.Tensor) and total <= 0:
-                raise ValueError(f"num_items: the window ends with this step() and counted no items in all "
-                                 f"({self.micro_steps + 1} micro-steps): a window needs num_items > 0 in all")  # fmt: skip
+                raise ValueError(
+                    f"num_items: the window ends with this step() and counted no items in all "
+                    f"({self.micro_steps + 1} micro-steps): a window needs num_items > 0 in all"
+                )
             self.items = total
 
     def normalization(self, pending: bool = False):

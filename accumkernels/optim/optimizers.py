@@ -40,13 +40,37 @@ class AdamW(AccumulatingOptimizer):
     ``stochastic_rounding``, ``state_dtype``, ``intake``, ...).
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
-                 accum_steps: int | None = None, **options) -> None:  # fmt: skip
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=1e-2,
+        amsgrad=False,
+        *,
+        maximize=False,
+        foreach=None,
+        capturable=False,
+        differentiable=False,
+        fused=None,
+        accum_steps: int | None = None,
+        **options,
+    ) -> None:
         if differentiable:
             raise ValueError(f"accumkernels.AdamW: {_TORCH_ONLY}")
-        inner = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                                  maximize=maximize, foreach=foreach, capturable=capturable, fused=fused)  # fmt: skip
+        inner = torch.optim.AdamW(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            foreach=foreach,
+            capturable=capturable,
+            fused=fused,
+        )
         super().__init__(inner, accum_steps, **options)
 
 
@@ -62,14 +86,39 @@ class Adam(AccumulatingOptimizer):
     arguments of AccumulatingOptimizer (see accumkernels.AdamW).
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False, *,
-                 foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
-                 decoupled_weight_decay=False, accum_steps: int | None = None, **options) -> None:  # fmt: skip
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0,
+        amsgrad=False,
+        *,
+        foreach=None,
+        maximize=False,
+        capturable=False,
+        differentiable=False,
+        fused=None,
+        decoupled_weight_decay=False,
+        accum_steps: int | None = None,
+        **options,
+    ) -> None:
         if differentiable:
             raise ValueError(f"accumkernels.Adam: {_TORCH_ONLY}")
-        inner = torch.optim.Adam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                                 foreach=foreach, maximize=maximize, capturable=capturable, fused=fused,
-                                 decoupled_weight_decay=decoupled_weight_decay)  # fmt: skip
+        inner = torch.optim.Adam(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            foreach=foreach,
+            maximize=maximize,
+            capturable=capturable,
+            fused=fused,
+            decoupled_weight_decay=decoupled_weight_decay,
+        )
         super().__init__(inner, accum_steps, **options)
 
 
@@ -86,11 +135,33 @@ class SGD(AccumulatingOptimizer):
     arguments of AccumulatingOptimizer (see accumkernels.AdamW).
     """
 
-    def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *, maximize=False,
-                 foreach=None, differentiable=False, fused=None, accum_steps: int | None = None,
-                 **options) -> None:  # fmt: skip
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        momentum=0,
+        dampening=0,
+        weight_decay=0,
+        nesterov=False,
+        *,
+        maximize=False,
+        foreach=None,
+        differentiable=False,
+        fused=None,
+        accum_steps: int | None = None,
+        **options,
+    ) -> None:
         if differentiable:
             raise ValueError(f"accumkernels.SGD: {_TORCH_ONLY}")
-        inner = torch.optim.SGD(params, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                                nesterov=nesterov, maximize=maximize, foreach=foreach, fused=fused)  # fmt: skip
+        inner = torch.optim.SGD(
+            params,
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            maximize=maximize,
+            foreach=foreach,
+            fused=fused,
+        )
         super().__init__(inner, accum_steps, **options)

@@ -115,23 +115,52 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     ) -> None:
         if isinstance(optimizer, AccumulatingOptimizer):
             raise TypeError("optimizer is already an AccumulatingOptimizer")
-        o = check_options(optimizer, accum_steps, normalize=normalize, max_grad_norm=max_grad_norm,
-                          master_weights=master_weights, stochastic_rounding=stochastic_rounding,
-                          state_dtype=state_dtype, seed=seed, intake=intake, bucket_cap_mb=bucket_cap_mb,
-                          process_group=process_group, sharded=sharded, wire_dtype=wire_dtype)  # fmt: skip
+        o = check_options(
+            optimizer,
+            accum_steps,
+            normalize=normalize,
+            max_grad_norm=max_grad_norm,
+            master_weights=master_weights,
+            stochastic_rounding=stochastic_rounding,
+            state_dtype=state_dtype,
+            seed=seed,
+            intake=intake,
+            bucket_cap_mb=bucket_cap_mb,
+            process_group=process_group,
+            sharded=sharded,
+            wire_dtype=wire_dtype,
+        )
         accum_steps, intake, params, mesh = o.accum_steps, o.intake, o.params, o.mesh
         # What a copy (copy.deepcopy, pickle) is rebuilt from: see __getstate__.
-        self._arguments = dict(accum_steps=accum_steps, normalize=normalize, max_grad_norm=max_grad_norm,
-                               master_weights=master_weights, stochastic_rounding=stochastic_rounding,
-                               state_dtype=state_dtype, seed=seed, grad_scaler=grad_scaler,
-                               skip_nonfinite=skip_nonfinite, intake=intake, bucket_cap_mb=bucket_cap_mb,
-                               backend=backend, process_group=process_group, sharded=sharded, wire_dtype=wire_dtype)  # fmt: skip
+        self._arguments = dict(
+            accum_steps=accum_steps,
+            normalize=normalize,
+            max_grad_norm=max_grad_norm,
+            master_weights=master_weights,
+            stochastic_rounding=stochastic_rounding,
+            state_dtype=state_dtype,
+            seed=seed,
+            grad_scaler=grad_scaler,
+            skip_nonfinite=skip_nonfinite,
+            intake=intake,
+            bucket_cap_mb=bucket_cap_mb,
+            backend=backend,
+            process_group=process_group,
+            sharded=sharded,
+            wire_dtype=wire_dtype,
+        )
         # torch.optim.Optimizer's machinery (hooks, step patching), sharing the
         # wrapped optimizer's param_groups and state rather than copying them.
         self.optimizer = optimizer
         self.defaults = optimizer.defaults
-        for name in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
-                     "load_state_dict_post"):  # fmt: skip
+        for name in (
+            "step_pre",
+            "step_post",
+            "state_dict_pre",
+            "state_dict_post",
+            "load_state_dict_pre",
+            "load_state_dict_post",
+        ):
             setattr(self, f"_optimizer_{name}_hooks", OrderedDict())
         self._patch_step_function()
 
@@ -141,36 +170,55 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self.process_group, self.world_size, self.rank = o.process_group, o.world_size, o.rank
         self.sharded = sharded and self.world_size > 1
         self._signature = param_signature(optimizer)
-        self._layout = Layout(params, o.groups, self.device, bucket_cap_mb, self.world_size if self.sharded else 1,
-                              local=_fsdp.local_tensor if mesh is not None else None,
-                              unit_of=_fsdp.unit_of(params) if mesh is not None else None)  # fmt: skip
+        self._layout = Layout(
+            params,
+            o.groups,
+            self.device,
+            bucket_cap_mb,
+            self.world_size if self.sharded else 1,
+            local=_fsdp.local_tensor if mesh is not None else None,
+            unit_of=_fsdp.unit_of(params) if mesh is not None else None,
+        )
         self._window = Window(normalize, self.device, run_seed(seed, self.device, self.process_group, self.world_size))
         self._loss_scale = _amp.LossScale(grad_scaler, self.device)
         self._sync = None  # the window's cross-rank part: None, a BucketReducer or an FSDPSync
         if mesh is not None:
             self._sync = _fsdp.FSDPSync(mesh, params, self._window, self._layout)
         elif self.world_size > 1:
-            self._sync = _distributed.BucketReducer(self.process_group, self._layout, self._window, self.sharded,
-                                                    wire_dtype, average=intake == "grad")  # fmt: skip
+            self._sync = _distributed.BucketReducer(
+                self.process_group, self._layout, self._window, self.sharded, wire_dtype, average=intake == "grad"
+            )
             self._sync.check_layout()
             if self.sharded:
                 self._layout.set_shards(lambda b: self._sync.shard(b.index))
         self._ddp_watch = _distributed.DDPWatch(params, self._window) if o.initialized and mesh is None else None
         self._caller_checked = False  # whether the first step() call looked for a framework calling it
-        self._updater = Updater(optimizer, self._layout, master_weights=master_weights,
-                                stochastic_rounding=stochastic_rounding, state_dtype=state_dtype, backend=backend,
-                                sync=self._sync)  # fmt: skip
+        self._updater = Updater(
+            optimizer,
+            self._layout,
+            master_weights=master_weights,
+            stochastic_rounding=stochastic_rounding,
+            state_dtype=state_dtype,
+            backend=backend,
+            sync=self._sync,
+        )
         self._updater.make_masters()
         self._intake = make_intake(
-            intake, self._layout, self._window, backend=backend, skip_nonfinite=skip_nonfinite,
-            loss_scale=self._loss_scale, accum_steps=accum_steps,
+            intake,
+            self._layout,
+            self._window,
+            backend=backend,
+            skip_nonfinite=skip_nonfinite,
+            loss_scale=self._loss_scale,
+            accum_steps=accum_steps,
             bucket_done=self._sync if isinstance(self._sync, _distributed.BucketReducer) else None,
-        )  # fmt: skip
+        )
 
     # ---- torch.optim.Optimizer interface -----------------------------------
 
-    param_groups = property(lambda self: self.optimizer.param_groups,
-                            lambda self, value: setattr(self.optimizer, "param_groups", value))  # fmt: skip
+    param_groups = property(
+        lambda self: self.optimizer.param_groups, lambda self, value: setattr(self.optimizer, "param_groups", value)
+    )
     state = property(lambda self: self.optimizer.state, lambda self, value: setattr(self.optimizer, "state", value))
 
     @property
@@ -180,16 +228,19 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         return self.intake == "hooks"
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}({self.optimizer!r}, accum_steps={self.accum_steps}, "
-                f"normalize={self.normalize!r}, max_grad_norm={self.max_grad_norm}, intake={self.intake!r})")  # fmt: skip
+        return (
+            f"{type(self).__name__}({self.optimizer!r}, accum_steps={self.accum_steps}, "
+            f"normalize={self.normalize!r}, max_grad_norm={self.max_grad_norm}, intake={self.intake!r})"
+        )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if type(self) is AccumulatingOptimizer:
             what = "add every param group to the optimizer before wrapping it"
         else:
             what = f"pass every param group when building {type(self).__name__} (params=[{{...}}, {{...}}])"
-        raise RuntimeError(f"{type(self).__name__} holds fp32 buffers laid out for the params it was built with: "
-                           f"{what}")  # fmt: skip
+        raise RuntimeError(
+            f"{type(self).__name__} holds fp32 buffers laid out for the params it was built with: {what}"
+        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Intake "hooks": harmless (gradients are folded as they arrive, the
@@ -223,14 +274,17 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if param_signature(self.optimizer) != self._signature:
-            raise RuntimeError("the wrapped optimizer's params changed after wrapping (a param group was added or "
-                               "edited); add every param group before wrapping it")  # fmt: skip
+            raise RuntimeError(
+                "the wrapped optimizer's params changed after wrapping (a param group was added or "
+                "edited); add every param group before wrapping it"
+            )
         self._refuse_several_backwards()
         window = self._window
         ends_window = self.accum_steps is None or window.micro_steps + 1 >= self.accum_steps
         window.count_items(num_items, ends_window)
-        _amp.meet_driver(self, intake=self._intake, loss_scale=self._loss_scale, ends_window=ends_window,
-                         device=self.device)  # fmt: skip
+        _amp.meet_driver(
+            self, intake=self._intake, loss_scale=self._loss_scale, ends_window=ends_window, device=self.device
+        )
         self._intake.refresh()
         self._intake.check_grads()
         self._intake.flush()
@@ -292,8 +346,10 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             raise ValueError(f"max_norm must be > 0; got {max_norm!r}")
         sync = self._sync
         if sync is not None and not (self.intake == "grad" and getattr(sync, "finished", False)):
-            raise RuntimeError("clip_grad_norm_() needs the window's global gradient, which exists only after its "
-                               "cross-rank reduction: pass max_grad_norm= to the wrapper instead")  # fmt: skip
+            raise RuntimeError(
+                "clip_grad_norm_() needs the window's global gradient, which exists only after its "
+                "cross-rank reduction: pass max_grad_norm= to the wrapper instead"
+            )
         self._intake.flush()
         # Reduced: params another rank touched hold gradient too (the others zeros).
         records = list(self._layout) if sync is not None else self._layout.records_of(self._window.touched)
@@ -348,8 +404,10 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         copied with it) with the same arguments, then given this window's state
         (buffers, counts, master weights, seed): it trains on as this one would."""
         if self.world_size > 1 or self._arguments["process_group"] is not None:
-            raise TypeError("a distributed AccumulatingOptimizer cannot be copied or pickled (it holds a process "
-                            "group): save opt.state_dict() on every rank and load it into a new one")  # fmt: skip
+            raise TypeError(
+                "a distributed AccumulatingOptimizer cannot be copied or pickled (it holds a process "
+                "group): save opt.state_dict() on every rank and load it into a new one"
+            )
         return {"optimizer": self.optimizer, "arguments": self._arguments, "window": self.state_dict()["accumkernels"]}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -373,8 +431,10 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
 
     def _refuse_during_reduction(self, what: str) -> None:
         if self._sync is not None and self._sync.started:
-            raise RuntimeError(f"{what} between the window's last backward and step(): the buffers are being reduced "
-                               "across ranks in place; call it before that backward or after step()")  # fmt: skip
+            raise RuntimeError(
+                f"{what} between the window's last backward and step(): the buffers are being reduced "
+                "across ranks in place; call it before that backward or after step()"
+            )
 
     def _end_window(self) -> None:
         window, scaler = self._window, self._loss_scale.scaler
@@ -403,8 +463,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             grad_scale = window.clip_coef * grad_scale
         if isinstance(grad_scale, torch.Tensor):
             grad_scale = grad_scale.reshape(1).to(torch.float32)
-        self._updater.step(records, grad_scale, found_inf if self._check_inf else None, window.window_seed(),
-                           self._intake)  # fmt: skip
+        self._updater.step(
+            records, grad_scale, found_inf if self._check_inf else None, window.window_seed(), self._intake
+        )
         # An LR scheduler built on the wrapped optimizer tracks its step() calls
         # (torch.optim.lr_scheduler's _opt_called), which the fused step makes none of.
         self.optimizer._opt_called = True

@@ -55,8 +55,9 @@ def device_guard(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def launch_table(lists: list[list[torch.Tensor | None]], numels: list[int], device: torch.device,
-                 streams: list[int] | None = None) -> tuple[torch.Tensor, int, int, bool]:
+def launch_table(
+    lists: list[list[torch.Tensor | None]], numels: list[int], device: torch.device, streams: list[int] | None = None
+) -> tuple[torch.Tensor, int, int, bool]:
     """The table for L lists of T tensors (None entries become null pointers;
     ``streams``: each tensor's stream id, default 0..T-1); returns (table, T, C,
     aligned), ``aligned`` meaning every tensor starts on a 16-byte boundary."""
@@ -193,14 +194,21 @@ def master_pointer(table, T, t, MASTER_KIND: tl.constexpr, ALIGNED: tl.constexpr
         return pointer(table, 1, T, t, tl.float32, ALIGNED)
 
 
-def step_flags(dtype: torch.dtype, master_params: list, stochastic_rounding: bool, state_dtype: torch.dtype,
-               aligned: bool) -> dict:  # fmt: skip
+def step_flags(
+    dtype: torch.dtype, master_params: list, stochastic_rounding: bool, state_dtype: torch.dtype, aligned: bool
+) -> dict:
     """The compile-time flags every step kernel takes, and the launch options."""
     kind = master_kind(master_params)
-    return dict(PARAM_DTYPE=TL_DTYPES[dtype], MASTER_KIND=kind,
-                STOCHASTIC=stochastic_rounding and dtype == torch.bfloat16 and kind == NO_MASTER.value,
-                STATE_DTYPE=TL_DTYPES[state_dtype], ALIGNED=aligned, CHUNK=CHUNK,
-                BLOCK=BLOCK, **OPTIONS)  # fmt: skip
+    return dict(
+        PARAM_DTYPE=TL_DTYPES[dtype],
+        MASTER_KIND=kind,
+        STOCHASTIC=stochastic_rounding and dtype == torch.bfloat16 and kind == NO_MASTER.value,
+        STATE_DTYPE=TL_DTYPES[state_dtype],
+        ALIGNED=aligned,
+        CHUNK=CHUNK,
+        BLOCK=BLOCK,
+        **OPTIONS,
+    )
 
 
 _PLACEHOLDERS: dict = {}
@@ -213,13 +221,16 @@ def scalar_arguments(grad_scale_tensor, found_inf, device: torch.device) -> tupl
     placeholder = _PLACEHOLDERS.get(device)
     if placeholder is None:
         placeholder = _PLACEHOLDERS[device] = torch.zeros(1, dtype=torch.float32, device=device)
-    return (placeholder if grad_scale_tensor is None else grad_scale_tensor, grad_scale_tensor is not None,
-            placeholder if found_inf is None else found_inf, found_inf is not None)  # fmt: skip
+    return (
+        placeholder if grad_scale_tensor is None else grad_scale_tensor,
+        grad_scale_tensor is not None,
+        placeholder if found_inf is None else found_inf,
+        found_inf is not None,
+    )
 
 
 @triton.jit
-def load_weight(param, master, offs, mask, PARAM_DTYPE: tl.constexpr, MASTER_KIND: tl.constexpr,
-                MASKED: tl.constexpr):  # fmt: skip
+def load_weight(param, master, offs, mask, PARAM_DTYPE: tl.constexpr, MASTER_KIND: tl.constexpr, MASKED: tl.constexpr):
     """The fp32 weight: the master copy, the param joined with its remainder, or the param."""
     if MASTER_KIND == FP32_MASTER:
         return load_f32(master, offs, mask, tl.float32, MASKED)
@@ -236,8 +247,19 @@ def load_weight(param, master, offs, mask, PARAM_DTYPE: tl.constexpr, MASTER_KIN
 
 
 @triton.jit
-def store_weight(param, master, offs, w, mask, seed, stream, PARAM_DTYPE: tl.constexpr, MASTER_KIND: tl.constexpr,
-                 STOCHASTIC: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+def store_weight(
+    param,
+    master,
+    offs,
+    w,
+    mask,
+    seed,
+    stream,
+    PARAM_DTYPE: tl.constexpr,
+    MASTER_KIND: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    MASKED: tl.constexpr,
+):
     """The updated weight to the master copy (fp32) and the param (its dtype),
     to a bf16 param and its remainder, or to the param alone (bf16
     stochastically rounded where STOCHASTIC)."""
@@ -254,8 +276,7 @@ def store_weight(param, master, offs, w, mask, seed, stream, PARAM_DTYPE: tl.con
 
 
 @triton.jit
-def store_state(ptr, offs, x, mask, seed, slot: tl.constexpr, stream, STATE_DTYPE: tl.constexpr,
-                MASKED: tl.constexpr):  # fmt: skip
+def store_state(ptr, offs, x, mask, seed, slot: tl.constexpr, stream, STATE_DTYPE: tl.constexpr, MASKED: tl.constexpr):
     """A state tensor's new value: fp32 as is, bf16 rounded stochastically with
     the bits of its rounding slot."""
     if STATE_DTYPE == tl.bfloat16:
@@ -265,10 +286,29 @@ def store_state(ptr, offs, x, mask, seed, slot: tl.constexpr, stream, STATE_DTYP
 
 
 @triton.jit
-def step_chunk(block: tl.constexpr, ptrs, hp, buffer, start, n, grad_scale, grad_scale_ptr, has_grad_scale_tensor,
-               found_inf_ptr, has_found_inf, zero_buffers, seed, stream, PARAM_DTYPE: tl.constexpr,
-               MASTER_KIND: tl.constexpr, STOCHASTIC: tl.constexpr, STATE_DTYPE: tl.constexpr, VARIANT: tl.constexpr,
-               CHUNK: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def step_chunk(
+    block: tl.constexpr,
+    ptrs,
+    hp,
+    buffer,
+    start,
+    n,
+    grad_scale,
+    grad_scale_ptr,
+    has_grad_scale_tensor,
+    found_inf_ptr,
+    has_found_inf,
+    zero_buffers,
+    seed,
+    stream,
+    PARAM_DTYPE: tl.constexpr,
+    MASTER_KIND: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    STATE_DTYPE: tl.constexpr,
+    VARIANT: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """One step family's update over this program's chunk, BLOCK elements at a
     time: ``block(ptrs, hp, offs, n, g_scale, seed, stream, PARAM_DTYPE,
     MASTER_KIND, STOCHASTIC, STATE_DTYPE, VARIANT, MASKED)``, then buffer = 0
@@ -293,14 +333,16 @@ def step_chunk(block: tl.constexpr, ptrs, hp, buffer, start, n, grad_scale, grad
     elif start + CHUNK <= n:  # a full chunk: no masks, vector accesses where ALIGNED
         for i in range(0, CHUNK, BLOCK):
             offs = start + i + tl.arange(0, BLOCK).to(tl.int64)
-            block(ptrs, hp, offs, n, gs, seed64, stream, PARAM_DTYPE, MASTER_KIND, STOCHASTIC, STATE_DTYPE, VARIANT,
-                  False)  # fmt: skip
+            block(
+                ptrs, hp, offs, n, gs, seed64, stream, PARAM_DTYPE, MASTER_KIND, STOCHASTIC, STATE_DTYPE, VARIANT, False
+            )
             if zero_buffers:
                 tl.store(buffer + offs, zeros)
     else:
         for i in range(0, CHUNK, BLOCK):
             offs = start + i + tl.arange(0, BLOCK).to(tl.int64)
-            block(ptrs, hp, offs, n, gs, seed64, stream, PARAM_DTYPE, MASTER_KIND, STOCHASTIC, STATE_DTYPE, VARIANT,
-                  True)  # fmt: skip
+            block(
+                ptrs, hp, offs, n, gs, seed64, stream, PARAM_DTYPE, MASTER_KIND, STOCHASTIC, STATE_DTYPE, VARIANT, True
+            )
             if zero_buffers:
                 tl.store(buffer + offs, zeros, mask=offs < n)

@@ -139,8 +139,18 @@ RUNNING = tl.constexpr(2)
 
 
 @triton.jit
-def sgd_update(p, g, momentum_buffer, lr, momentum, one_minus_dampening, weight_decay, nesterov,
-               has_weight_decay, MOMENTUM: tl.constexpr):  # fmt: skip
+def sgd_update(
+    p,
+    g,
+    momentum_buffer,
+    lr,
+    momentum,
+    one_minus_dampening,
+    weight_decay,
+    nesterov,
+    has_weight_decay,
+    MOMENTUM: tl.constexpr,
+):
     """(new weight, new momentum buffer), as formulas.h's sgd_update."""
     if has_weight_decay:
         g = g + weight_decay * p
@@ -181,8 +191,24 @@ def adam_bias_corrections(lr, beta1, beta2, step):
 
 
 @triton.jit
-def adam_update(p, g, m, v, v_max, step_size, bias_correction2_sqrt, eps, weight_decay, one_minus_beta1,
-                one_minus_beta2, beta2_f, adamw_decay, adamw, has_weight_decay, AMSGRAD: tl.constexpr):  # fmt: skip
+def adam_update(
+    p,
+    g,
+    m,
+    v,
+    v_max,
+    step_size,
+    bias_correction2_sqrt,
+    eps,
+    weight_decay,
+    one_minus_beta1,
+    one_minus_beta2,
+    beta2_f,
+    adamw_decay,
+    adamw,
+    has_weight_decay,
+    AMSGRAD: tl.constexpr,
+):
     """(new weight, m, v, v_max), as formulas.h's adam_update."""
     if has_weight_decay:
         if adamw:

@@ -12,8 +12,9 @@ from . import _formulas as f
 
 
 @triton.jit
-def _accumulate_block(buffer, grad, offs, n, s, GRAD_DTYPE: tl.constexpr, OVERWRITE: tl.constexpr,
-                      MASKED: tl.constexpr):  # fmt: skip
+def _accumulate_block(
+    buffer, grad, offs, n, s, GRAD_DTYPE: tl.constexpr, OVERWRITE: tl.constexpr, MASKED: tl.constexpr
+):
     """One BLOCK of a chunk; returns its inf/NaN flags."""
     mask = offs < n
     g = c.load_f32(grad, offs, mask, GRAD_DTYPE, MASKED)
@@ -25,9 +26,21 @@ def _accumulate_block(buffer, grad, offs, n, s, GRAD_DTYPE: tl.constexpr, OVERWR
 
 
 @triton.jit(do_not_specialize=["T", "C"])
-def _accumulate_kernel(table, T, C, scale, scale_ptr, has_scale_tensor, found_inf_ptr, has_found_inf,
-                       GRAD_DTYPE: tl.constexpr, OVERWRITE: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr,
-                       BLOCK: tl.constexpr):  # fmt: skip
+def _accumulate_kernel(
+    table,
+    T,
+    C,
+    scale,
+    scale_ptr,
+    has_scale_tensor,
+    found_inf_ptr,
+    has_found_inf,
+    GRAD_DTYPE: tl.constexpr,
+    OVERWRITE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     t, start, n = c.chunk_of(table, 2, T, C, CHUNK, ALIGNED)
     buffer = c.pointer(table, 0, T, t, tl.float32, ALIGNED)
     grad = c.pointer(table, 1, T, t, GRAD_DTYPE, ALIGNED)
@@ -49,8 +62,14 @@ def _accumulate_kernel(table, T, C, scale, scale_ptr, has_scale_tensor, found_in
 
 
 @torch.library.custom_op("accumkernels_triton::accumulate_", mutates_args=("buffers", "found_inf"))
-def accumulate_(buffers: list[torch.Tensor], grads: list[torch.Tensor], scale: float,
-                scale_tensor: torch.Tensor | None, overwrite: bool, found_inf: torch.Tensor | None) -> None:  # fmt: skip
+def accumulate_(
+    buffers: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    scale: float,
+    scale_tensor: torch.Tensor | None,
+    overwrite: bool,
+    found_inf: torch.Tensor | None,
+) -> None:
     """buffer = (0 if overwrite else buffer) + scale * float32(grad), for every pair."""
     device = buffers[0].device
     with c.device_guard(device):
@@ -59,12 +78,25 @@ def accumulate_(buffers: list[torch.Tensor], grads: list[torch.Tensor], scale: f
             pairs = [(b, g) for b, g in zip(buffers, grads) if g.dtype == dtype and b.numel() > 0]
             if not pairs:
                 continue
-            table, count, chunks, aligned = c.launch_table([[b for b, _ in pairs], [g for _, g in pairs]],
-                                                           [b.numel() for b, _ in pairs], device)  # fmt: skip
+            table, count, chunks, aligned = c.launch_table(
+                [[b for b, _ in pairs], [g for _, g in pairs]], [b.numel() for b, _ in pairs], device
+            )
             _accumulate_kernel[(chunks,)](
-                table, count, chunks, scale, scale_ptr, has_scale, inf_ptr, has_inf, GRAD_DTYPE=c.TL_DTYPES[dtype],
-                OVERWRITE=overwrite, ALIGNED=aligned, CHUNK=c.CHUNK, BLOCK=c.BLOCK, **c.OPTIONS,
-            )  # fmt: skip
+                table,
+                count,
+                chunks,
+                scale,
+                scale_ptr,
+                has_scale,
+                inf_ptr,
+                has_inf,
+                GRAD_DTYPE=c.TL_DTYPES[dtype],
+                OVERWRITE=overwrite,
+                ALIGNED=aligned,
+                CHUNK=c.CHUNK,
+                BLOCK=c.BLOCK,
+                **c.OPTIONS,
+            )
 
 
 @accumulate_.register_fake

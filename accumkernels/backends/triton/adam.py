@@ -27,12 +27,34 @@ def _increment_steps_kernel(table, T, found_inf_ptr, has_found_inf):
 
 
 @triton.jit
-def _adam_block(ptrs, hp, offs, n, gs, seed, stream, PARAM_DTYPE: tl.constexpr, MASTER_KIND: tl.constexpr,
-                STOCHASTIC: tl.constexpr, STATE_DTYPE: tl.constexpr, AMSGRAD: tl.constexpr,
-                MASKED: tl.constexpr):  # fmt: skip
+def _adam_block(
+    ptrs,
+    hp,
+    offs,
+    n,
+    gs,
+    seed,
+    stream,
+    PARAM_DTYPE: tl.constexpr,
+    MASTER_KIND: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    STATE_DTYPE: tl.constexpr,
+    AMSGRAD: tl.constexpr,
+    MASKED: tl.constexpr,
+):
     param, master, buffer, exp_avg, exp_avg_sq, max_sq = ptrs
-    (step_size, bias_correction2_sqrt, eps, weight_decay, one_minus_beta1, one_minus_beta2, beta2_f, adamw_decay,
-     adamw, has_weight_decay) = hp  # fmt: skip
+    (
+        step_size,
+        bias_correction2_sqrt,
+        eps,
+        weight_decay,
+        one_minus_beta1,
+        one_minus_beta2,
+        beta2_f,
+        adamw_decay,
+        adamw,
+        has_weight_decay,
+    ) = hp
     mask = offs < n
     g = gs * c.load_f32(buffer, offs, mask, tl.float32, MASKED)
     w = c.load_weight(param, master, offs, mask, PARAM_DTYPE, MASTER_KIND, MASKED)
@@ -41,9 +63,24 @@ def _adam_block(ptrs, hp, offs, n, gs, seed, stream, PARAM_DTYPE: tl.constexpr, 
     v_max = tl.zeros_like(g)
     if AMSGRAD:
         v_max = c.load_f32(max_sq, offs, mask, STATE_DTYPE, MASKED)
-    w, m, v, v_max = f.adam_update(w, g, m, v, v_max, step_size, bias_correction2_sqrt, eps, weight_decay,
-                                   one_minus_beta1, one_minus_beta2, beta2_f, adamw_decay, adamw, has_weight_decay,
-                                   AMSGRAD)  # fmt: skip
+    w, m, v, v_max = f.adam_update(
+        w,
+        g,
+        m,
+        v,
+        v_max,
+        step_size,
+        bias_correction2_sqrt,
+        eps,
+        weight_decay,
+        one_minus_beta1,
+        one_minus_beta2,
+        beta2_f,
+        adamw_decay,
+        adamw,
+        has_weight_decay,
+        AMSGRAD,
+    )
     c.store_state(exp_avg, offs, m, mask, seed, 1, stream, STATE_DTYPE, MASKED)
     c.store_state(exp_avg_sq, offs, v, mask, seed, 2, stream, STATE_DTYPE, MASKED)
     if AMSGRAD:
@@ -52,28 +89,108 @@ def _adam_block(ptrs, hp, offs, n, gs, seed, stream, PARAM_DTYPE: tl.constexpr, 
 
 
 @triton.jit(do_not_specialize=["T", "C", "seed"])
-def _adam_kernel(table, T, C, scalars, eps, weight_decay, one_minus_beta1, one_minus_beta2, beta2_f, adamw_decay,
-                 adamw, has_weight_decay, grad_scale, grad_scale_ptr, has_grad_scale_tensor, found_inf_ptr,
-                 has_found_inf, zero_buffers, seed, PARAM_DTYPE: tl.constexpr, MASTER_KIND: tl.constexpr,
-                 STOCHASTIC: tl.constexpr, STATE_DTYPE: tl.constexpr, AMSGRAD: tl.constexpr, ALIGNED: tl.constexpr,
-                 CHUNK: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _adam_kernel(
+    table,
+    T,
+    C,
+    scalars,
+    eps,
+    weight_decay,
+    one_minus_beta1,
+    one_minus_beta2,
+    beta2_f,
+    adamw_decay,
+    adamw,
+    has_weight_decay,
+    grad_scale,
+    grad_scale_ptr,
+    has_grad_scale_tensor,
+    found_inf_ptr,
+    has_found_inf,
+    zero_buffers,
+    seed,
+    PARAM_DTYPE: tl.constexpr,
+    MASTER_KIND: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    STATE_DTYPE: tl.constexpr,
+    AMSGRAD: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     t, start, n = c.chunk_of(table, LISTS, T, C, CHUNK, ALIGNED)
-    ptrs = (c.pointer(table, 0, T, t, PARAM_DTYPE, ALIGNED), c.master_pointer(table, T, t, MASTER_KIND, ALIGNED),
-            c.pointer(table, 2, T, t, tl.float32, ALIGNED), c.pointer(table, 3, T, t, STATE_DTYPE, ALIGNED),
-            c.pointer(table, 4, T, t, STATE_DTYPE, ALIGNED), c.pointer(table, 5, T, t, STATE_DTYPE, ALIGNED))
+    ptrs = (
+        c.pointer(table, 0, T, t, PARAM_DTYPE, ALIGNED),
+        c.master_pointer(table, T, t, MASTER_KIND, ALIGNED),
+        c.pointer(table, 2, T, t, tl.float32, ALIGNED),
+        c.pointer(table, 3, T, t, STATE_DTYPE, ALIGNED),
+        c.pointer(table, 4, T, t, STATE_DTYPE, ALIGNED),
+        c.pointer(table, 5, T, t, STATE_DTYPE, ALIGNED),
+    )
     step = tl.load(c.pointer(table, 6, T, t, tl.float32, False))
-    step_size, bias_correction2_sqrt = f.adam_bias_corrections(tl.load(scalars), tl.load(scalars + 1),
-                                                               tl.load(scalars + 2), step)  # fmt: skip
-    hp = (step_size, bias_correction2_sqrt, eps, weight_decay, one_minus_beta1, one_minus_beta2, beta2_f,
-          adamw_decay, adamw, has_weight_decay)  # fmt: skip
-    c.step_chunk(_adam_block, ptrs, hp, ptrs[2], start, n, grad_scale, grad_scale_ptr, has_grad_scale_tensor,
-                 found_inf_ptr, has_found_inf, zero_buffers, seed, c.stream_of(table, LISTS, T, t), PARAM_DTYPE,
-                 MASTER_KIND, STOCHASTIC, STATE_DTYPE, AMSGRAD, CHUNK, BLOCK)  # fmt: skip
+    step_size, bias_correction2_sqrt = f.adam_bias_corrections(
+        tl.load(scalars), tl.load(scalars + 1), tl.load(scalars + 2), step
+    )
+    hp = (
+        step_size,
+        bias_correction2_sqrt,
+        eps,
+        weight_decay,
+        one_minus_beta1,
+        one_minus_beta2,
+        beta2_f,
+        adamw_decay,
+        adamw,
+        has_weight_decay,
+    )
+    c.step_chunk(
+        _adam_block,
+        ptrs,
+        hp,
+        ptrs[2],
+        start,
+        n,
+        grad_scale,
+        grad_scale_ptr,
+        has_grad_scale_tensor,
+        found_inf_ptr,
+        has_found_inf,
+        zero_buffers,
+        seed,
+        c.stream_of(table, LISTS, T, t),
+        PARAM_DTYPE,
+        MASTER_KIND,
+        STOCHASTIC,
+        STATE_DTYPE,
+        AMSGRAD,
+        CHUNK,
+        BLOCK,
+    )
 
 
-def _adam(adamw, params, buffers, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, lr, beta1,
-          beta2, eps, weight_decay, amsgrad, grad_scale, grad_scale_tensor, found_inf, zero_buffers,
-          stochastic_rounding, seed, positions):  # fmt: skip
+def _adam(
+    adamw,
+    params,
+    buffers,
+    exp_avgs,
+    exp_avg_sqs,
+    max_exp_avg_sqs,
+    state_steps,
+    master_params,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    amsgrad,
+    grad_scale,
+    grad_scale_tensor,
+    found_inf,
+    zero_buffers,
+    stochastic_rounding,
+    seed,
+    positions,
+):
     device = params[0].device
     with c.device_guard(device):
         scale_ptr, has_scale, inf_ptr, has_inf = c.scalar_arguments(grad_scale_tensor, found_inf, device)
@@ -86,26 +203,79 @@ def _adam(adamw, params, buffers, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_
         state_dtype = exp_avgs[0].dtype
         for dtype, table, count, chunks, aligned in c.param_dtype_launches(params, lists, positions):
             _adam_kernel[(chunks,)](
-                table, count, chunks, scalars, eps, weight_decay, 1.0 - beta1, 1.0 - beta2, beta2,
-                1.0 - lr * weight_decay, adamw, weight_decay != 0, grad_scale, scale_ptr, has_scale, inf_ptr,
-                has_inf, zero_buffers, c.seed_argument(seed), AMSGRAD=amsgrad,
+                table,
+                count,
+                chunks,
+                scalars,
+                eps,
+                weight_decay,
+                1.0 - beta1,
+                1.0 - beta2,
+                beta2,
+                1.0 - lr * weight_decay,
+                adamw,
+                weight_decay != 0,
+                grad_scale,
+                scale_ptr,
+                has_scale,
+                inf_ptr,
+                has_inf,
+                zero_buffers,
+                c.seed_argument(seed),
+                AMSGRAD=amsgrad,
                 **c.step_flags(dtype, master_params, stochastic_rounding, state_dtype, aligned),
-            )  # fmt: skip
+            )
 
 
 _MUTATES = ("params", "buffers", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "state_steps", "master_params")
 
 
 def _define(name, adamw):
-    def op(params: list[torch.Tensor], buffers: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-           exp_avg_sqs: list[torch.Tensor], max_exp_avg_sqs: list[torch.Tensor], state_steps: list[torch.Tensor],
-           master_params: list[torch.Tensor], lr: float, beta1: float, beta2: float, eps: float,
-           weight_decay: float, amsgrad: bool, grad_scale: float, grad_scale_tensor: torch.Tensor | None,
-           found_inf: torch.Tensor | None, zero_buffers: bool, stochastic_rounding: bool, seed: int,
-           positions: list[int]) -> None:  # fmt: skip
-        _adam(adamw, params, buffers, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, lr,
-              beta1, beta2, eps, weight_decay, amsgrad, grad_scale, grad_scale_tensor, found_inf, zero_buffers,
-              stochastic_rounding, seed, positions)  # fmt: skip
+    def op(
+        params: list[torch.Tensor],
+        buffers: list[torch.Tensor],
+        exp_avgs: list[torch.Tensor],
+        exp_avg_sqs: list[torch.Tensor],
+        max_exp_avg_sqs: list[torch.Tensor],
+        state_steps: list[torch.Tensor],
+        master_params: list[torch.Tensor],
+        lr: float,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        weight_decay: float,
+        amsgrad: bool,
+        grad_scale: float,
+        grad_scale_tensor: torch.Tensor | None,
+        found_inf: torch.Tensor | None,
+        zero_buffers: bool,
+        stochastic_rounding: bool,
+        seed: int,
+        positions: list[int],
+    ) -> None:
+        _adam(
+            adamw,
+            params,
+            buffers,
+            exp_avgs,
+            exp_avg_sqs,
+            max_exp_avg_sqs,
+            state_steps,
+            master_params,
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            amsgrad,
+            grad_scale,
+            grad_scale_tensor,
+            found_inf,
+            zero_buffers,
+            stochastic_rounding,
+            seed,
+            positions,
+        )
 
     op.__name__ = name
     custom = torch.library.custom_op(f"accumkernels_triton::{name}", op, mutates_args=_MUTATES)

@@ -48,8 +48,9 @@ def grad_norm(buffers: list[torch.Tensor]) -> torch.Tensor:
     with c.device_guard(device):
         table, count, chunks, aligned = c.launch_table([tensors], [b.numel() for b in tensors], device)
         partials = torch.empty(chunks, dtype=torch.float64, device=device)
-        _partials_kernel[(chunks,)](table, count, chunks, partials, ALIGNED=aligned, CHUNK=c.CHUNK, BLOCK=c.BLOCK,
-                                    **c.OPTIONS)  # fmt: skip
+        _partials_kernel[(chunks,)](
+            table, count, chunks, partials, ALIGNED=aligned, CHUNK=c.CHUNK, BLOCK=c.BLOCK, **c.OPTIONS
+        )
         _finish_kernel[(1,)](partials, chunks, out, BLOCK=1024, **c.OPTIONS)
     return out
 

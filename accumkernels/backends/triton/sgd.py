@@ -15,9 +15,21 @@ LISTS = tl.constexpr(4)
 
 
 @triton.jit
-def _sgd_block(ptrs, hp, offs, n, gs, seed, stream, PARAM_DTYPE: tl.constexpr, MASTER_KIND: tl.constexpr,
-               STOCHASTIC: tl.constexpr, STATE_DTYPE: tl.constexpr, MOMENTUM: tl.constexpr,
-               MASKED: tl.constexpr):  # fmt: skip
+def _sgd_block(
+    ptrs,
+    hp,
+    offs,
+    n,
+    gs,
+    seed,
+    stream,
+    PARAM_DTYPE: tl.constexpr,
+    MASTER_KIND: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    STATE_DTYPE: tl.constexpr,
+    MOMENTUM: tl.constexpr,
+    MASKED: tl.constexpr,
+):
     param, master, buffer, mom = ptrs
     lr, momentum, one_minus_dampening, weight_decay, nesterov, has_weight_decay = hp
     mask = offs < n
@@ -26,26 +38,70 @@ def _sgd_block(ptrs, hp, offs, n, gs, seed, stream, PARAM_DTYPE: tl.constexpr, M
     b = tl.zeros_like(g)
     if MOMENTUM == f.RUNNING:
         b = c.load_f32(mom, offs, mask, STATE_DTYPE, MASKED)
-    w, b = f.sgd_update(w, g, b, lr, momentum, one_minus_dampening, weight_decay, nesterov, has_weight_decay,
-                        MOMENTUM)  # fmt: skip
+    w, b = f.sgd_update(w, g, b, lr, momentum, one_minus_dampening, weight_decay, nesterov, has_weight_decay, MOMENTUM)
     if MOMENTUM != f.NO_MOMENTUM:
         c.store_state(mom, offs, b, mask, seed, 1, stream, STATE_DTYPE, MASKED)
     c.store_weight(param, master, offs, w, mask, seed, stream, PARAM_DTYPE, MASTER_KIND, STOCHASTIC, MASKED)
 
 
 @triton.jit(do_not_specialize=["T", "C", "seed"])
-def _sgd_kernel(table, T, C, lr, momentum, one_minus_dampening, weight_decay, nesterov, has_weight_decay, grad_scale,
-                grad_scale_ptr, has_grad_scale_tensor, found_inf_ptr, has_found_inf, zero_buffers, seed,
-                PARAM_DTYPE: tl.constexpr, MASTER_KIND: tl.constexpr, STOCHASTIC: tl.constexpr,
-                STATE_DTYPE: tl.constexpr, MOMENTUM: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr,
-                BLOCK: tl.constexpr):  # fmt: skip
+def _sgd_kernel(
+    table,
+    T,
+    C,
+    lr,
+    momentum,
+    one_minus_dampening,
+    weight_decay,
+    nesterov,
+    has_weight_decay,
+    grad_scale,
+    grad_scale_ptr,
+    has_grad_scale_tensor,
+    found_inf_ptr,
+    has_found_inf,
+    zero_buffers,
+    seed,
+    PARAM_DTYPE: tl.constexpr,
+    MASTER_KIND: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    STATE_DTYPE: tl.constexpr,
+    MOMENTUM: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     t, start, n = c.chunk_of(table, LISTS, T, C, CHUNK, ALIGNED)
-    ptrs = (c.pointer(table, 0, T, t, PARAM_DTYPE, ALIGNED), c.master_pointer(table, T, t, MASTER_KIND, ALIGNED),
-            c.pointer(table, 2, T, t, tl.float32, ALIGNED), c.pointer(table, 3, T, t, STATE_DTYPE, ALIGNED))
+    ptrs = (
+        c.pointer(table, 0, T, t, PARAM_DTYPE, ALIGNED),
+        c.master_pointer(table, T, t, MASTER_KIND, ALIGNED),
+        c.pointer(table, 2, T, t, tl.float32, ALIGNED),
+        c.pointer(table, 3, T, t, STATE_DTYPE, ALIGNED),
+    )
     hp = (lr, momentum, one_minus_dampening, weight_decay, nesterov, has_weight_decay)
-    c.step_chunk(_sgd_block, ptrs, hp, ptrs[2], start, n, grad_scale, grad_scale_ptr, has_grad_scale_tensor,
-                 found_inf_ptr, has_found_inf, zero_buffers, seed, c.stream_of(table, LISTS, T, t), PARAM_DTYPE,
-                 MASTER_KIND, STOCHASTIC, STATE_DTYPE, MOMENTUM, CHUNK, BLOCK)  # fmt: skip
+    c.step_chunk(
+        _sgd_block,
+        ptrs,
+        hp,
+        ptrs[2],
+        start,
+        n,
+        grad_scale,
+        grad_scale_ptr,
+        has_grad_scale_tensor,
+        found_inf_ptr,
+        has_found_inf,
+        zero_buffers,
+        seed,
+        c.stream_of(table, LISTS, T, t),
+        PARAM_DTYPE,
+        MASTER_KIND,
+        STOCHASTIC,
+        STATE_DTYPE,
+        MOMENTUM,
+        CHUNK,
+        BLOCK,
+    )
 
 
 def momentum_mode(momentum: float, is_first_step: bool) -> int:
@@ -54,13 +110,28 @@ def momentum_mode(momentum: float, is_first_step: bool) -> int:
     return f.FIRST_STEP.value if is_first_step else f.RUNNING.value
 
 
-@torch.library.custom_op("accumkernels_triton::sgd_step_and_zero_",
-                         mutates_args=("params", "buffers", "momentum_buffers", "master_params"))  # fmt: skip
-def sgd_step_and_zero_(params: list[torch.Tensor], buffers: list[torch.Tensor], momentum_buffers: list[torch.Tensor],
-                       master_params: list[torch.Tensor], lr: float, momentum: float, dampening: float,
-                       weight_decay: float, nesterov: bool, is_first_step: bool, grad_scale: float,
-                       grad_scale_tensor: torch.Tensor | None, found_inf: torch.Tensor | None, zero_buffers: bool,
-                       stochastic_rounding: bool, seed: int, positions: list[int]) -> None:  # fmt: skip
+@torch.library.custom_op(
+    "accumkernels_triton::sgd_step_and_zero_", mutates_args=("params", "buffers", "momentum_buffers", "master_params")
+)
+def sgd_step_and_zero_(
+    params: list[torch.Tensor],
+    buffers: list[torch.Tensor],
+    momentum_buffers: list[torch.Tensor],
+    master_params: list[torch.Tensor],
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    is_first_step: bool,
+    grad_scale: float,
+    grad_scale_tensor: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+    zero_buffers: bool,
+    stochastic_rounding: bool,
+    seed: int,
+    positions: list[int],
+) -> None:
     """torch.optim.SGD's update with g = grad_scale * buffer, then buffer = 0."""
     device = params[0].device
     with c.device_guard(device):
@@ -69,11 +140,25 @@ def sgd_step_and_zero_(params: list[torch.Tensor], buffers: list[torch.Tensor], 
         state_dtype = momentum_buffers[0].dtype if momentum_buffers else torch.float32
         for dtype, table, count, chunks, aligned in c.param_dtype_launches(params, lists, positions):
             _sgd_kernel[(chunks,)](
-                table, count, chunks, lr, momentum, 1.0 - dampening, weight_decay, nesterov, weight_decay != 0,
-                grad_scale, scale_ptr, has_scale, inf_ptr, has_inf, zero_buffers, c.seed_argument(seed),
+                table,
+                count,
+                chunks,
+                lr,
+                momentum,
+                1.0 - dampening,
+                weight_decay,
+                nesterov,
+                weight_decay != 0,
+                grad_scale,
+                scale_ptr,
+                has_scale,
+                inf_ptr,
+                has_inf,
+                zero_buffers,
+                c.seed_argument(seed),
                 MOMENTUM=momentum_mode(momentum, is_first_step),
                 **c.step_flags(dtype, master_params, stochastic_rounding, state_dtype, aligned),
-            )  # fmt: skip
+            )
 
 
 @sgd_step_and_zero_.register_fake
