@@ -1,21 +1,23 @@
 """Fake (meta) kernels for the native ops, so that torch.compile and
-torch.library.opcheck can trace them: the mutating ops return nothing and
-grad_norm returns a 0-dim fp32 tensor on the buffers' device."""
+torch.library.opcheck can trace them, one per op of the op table
+(accumkernels._op_table): a mutating op returns nothing, grad_norm a 0-dim
+fp32 tensor on the buffers' device."""
 
 from __future__ import annotations
 
 import torch
+
+from ._op_table import OPS
 
 
 def _nothing(*args, **kwargs) -> None:
     return None
 
 
-def _grad_norm(buffers):
-    return buffers[0].new_empty(())
+def _scalar(tensors, *args, **kwargs):
+    return tensors[0].new_empty((), dtype=torch.float32)
 
 
 def register() -> None:
-    for name in ("accumulate_", "sgd_step_and_zero_", "adam_step_and_zero_", "adamw_step_and_zero_"):
-        torch.library.register_fake(f"accumkernels::{name}", _nothing)
-    torch.library.register_fake("accumkernels::grad_norm", _grad_norm)
+    for name, op in OPS.items():
+        torch.library.register_fake(f"accumkernels::{name}", _nothing if op.returns is None else _scalar)

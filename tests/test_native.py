@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import accumkernels as ak
-
-OPS = ["accumulate_", "sgd_step_and_zero_", "adam_step_and_zero_", "adamw_step_and_zero_", "grad_norm"]
+from accumkernels._op_table import OPS
+from accumkernels.backends import BACKENDS
 
 
 def _opcheck_cases():
@@ -180,6 +180,28 @@ def test_opcheck(native_only, op, args):
 def test_every_op_has_a_cpu_kernel(native_only):
     for op in OPS:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"accumkernels::{op}", "CPU"), op
+
+
+def test_op_table_is_the_extensions_op_list(native_only):
+    """The op table (accumkernels._op_table) names every op csrc/ops.cpp
+    declares, no other, with the arguments each schema marks as written."""
+    registered = {
+        name.removeprefix("accumkernels::")
+        for name in torch._C._dispatch_get_all_op_names()
+        if name.startswith("accumkernels::")
+    }
+    assert registered == set(OPS)
+    for name, op in OPS.items():
+        schema = getattr(torch.ops.accumkernels, name).default._schema
+        written = tuple(a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write)
+        assert written == op.mutates, name
+        assert (op.returns is None) == (len(schema.returns) == 0), name
+
+
+def test_every_backend_implements_every_op():
+    for name, backend in BACKENDS.items():
+        for op in OPS:
+            assert callable(getattr(backend, op, None)), (name, op)
 
 
 def _supported_isas() -> list[str]:

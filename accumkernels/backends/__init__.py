@@ -13,28 +13,28 @@ from typing import Protocol
 
 import torch
 
+from .._op_table import OPS
 from . import native, reference, triton_backend
 
 
 class Backend(Protocol):
-    """What accumkernels.ops needs of a backend. Each op takes the arguments of
-    its schema in csrc/ops.cpp by keyword, already validated, and computes the
-    formula of formulas.h; reference.py is the oracle."""
+    """What accumkernels.ops needs of a backend: ``supports`` and
+    ``unavailable_reason``, and one function per op of the op table
+    (accumkernels._op_table.OPS), which takes the arguments of the op's schema
+    in csrc/ops.cpp by keyword, already validated, and computes the formula of
+    its accumkernels.ops docstring; reference.py is the oracle."""
 
     def supports(self, device: torch.device) -> bool: ...
 
     def unavailable_reason(self) -> str | None:
         """None if the backend runs in this process, else why not (with a fix)."""
 
-    def accumulate_(self, **args) -> None: ...
 
-    def sgd_step_and_zero_(self, **args) -> None: ...
-
-    def adam_step_and_zero_(self, **args) -> None: ...
-
-    def adamw_step_and_zero_(self, **args) -> None: ...
-
-    def grad_norm(self, **args) -> torch.Tensor: ...
+def check_backend(name: str, backend) -> None:
+    """Raises if ``backend`` lacks an op of the op table (a backend added without all of them)."""
+    missing = [op for op in OPS if not callable(getattr(backend, op, None))]
+    if missing:
+        raise TypeError(f"accumkernels backend {name!r} does not implement {missing}")
 
 
 BACKENDS: dict[str, Backend] = {
@@ -43,6 +43,9 @@ BACKENDS: dict[str, Backend] = {
     "cuda": native.cuda,
     "triton": triton_backend,
 }
+
+for _name, _backend in BACKENDS.items():
+    check_backend(_name, _backend)
 
 # Fastest first, per device type; reference serves every device last. On CUDA
 # the native kernels come before Triton until a GPU benchmark shows otherwise.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import _native
+from .._op_table import OPS
 
 
 class NativeBackend:
@@ -31,20 +32,19 @@ class NativeBackend:
                 return "no CUDA device is available"
         return None
 
-    def accumulate_(self, **args) -> None:
-        torch.ops.accumkernels.accumulate_(**args)
 
-    def sgd_step_and_zero_(self, **args) -> None:
-        torch.ops.accumkernels.sgd_step_and_zero_(**args)
+def _entry(name: str):
+    """The op ``name`` of the op table as torch.ops.accumkernels.<name>, by keyword."""
 
-    def adam_step_and_zero_(self, **args) -> None:
-        torch.ops.accumkernels.adam_step_and_zero_(**args)
+    def call(self, **args):
+        return getattr(torch.ops.accumkernels, name)(**args)
 
-    def adamw_step_and_zero_(self, **args) -> None:
-        torch.ops.accumkernels.adamw_step_and_zero_(**args)
+    call.__name__ = call.__qualname__ = name
+    return call
 
-    def grad_norm(self, **args) -> torch.Tensor:
-        return torch.ops.accumkernels.grad_norm(**args)
+
+for _name in OPS:
+    setattr(NativeBackend, _name, _entry(_name))
 
 
 cpu = NativeBackend("cpu")

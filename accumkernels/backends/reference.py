@@ -44,7 +44,7 @@ def _commit(dst: torch.Tensor, new: torch.Tensor, skip: torch.Tensor | None) -> 
 
 
 def accumulate_(*, buffers, grads, scale, scale_tensor, overwrite, found_inf):
-    """buffer = (0 if overwrite else buffer) + scale * float32(grad)."""
+    """accumkernels.ops.accumulate_."""
     s = _effective_scale(scale, scale_tensor)
     for buffer, grad in zip(buffers, grads):
         g = grad.float()

@@ -17,6 +17,8 @@ import os
 
 import torch
 
+from .._op_table import OPS
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "") == "1"
 
 try:
@@ -45,21 +47,14 @@ def _ops():
     return torch.ops.accumkernels_triton
 
 
-def accumulate_(**args):
-    _ops().accumulate_(**args)
+def _entry(name: str):
+    """The op ``name`` of the op table as torch.ops.accumkernels_triton.<name>, by keyword."""
+
+    def call(**args):
+        return getattr(_ops(), name)(**args)
+
+    call.__name__ = call.__qualname__ = name
+    return call
 
 
-def sgd_step_and_zero_(**args):
-    _ops().sgd_step_and_zero_(**args)
-
-
-def adam_step_and_zero_(**args):
-    _ops().adam_step_and_zero_(**args)
-
-
-def adamw_step_and_zero_(**args):
-    _ops().adamw_step_and_zero_(**args)
-
-
-def grad_norm(**args):
-    return _ops().grad_norm(**args)
+globals().update({name: _entry(name) for name in OPS})

@@ -27,11 +27,9 @@ _TORCH_ONLY = "differentiable=True: the fused step is not differentiable (use to
 
 class AdamW(AccumulatingOptimizer):
     """``torch.optim.AdamW`` accumulating its gradients in fp32 buffers (see
-    AccumulatingOptimizer): per window, with ``g`` the window's gradient::
-
-        w = w * (1 - lr * weight_decay)
-        m = beta1 * m + (1 - beta1) * g;  v = beta2 * v + (1 - beta2) * g^2
-        w = w - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+    AccumulatingOptimizer): once per window, the update of
+    ``accumkernels.ops.adamw_step_and_zero_`` (its docstring has the formula)
+    with the window's gradient.
 
     Args: those of ``torch.optim.AdamW`` (``foreach``, ``fused`` and
     ``capturable`` are kept in the param groups for interchange; the step is
@@ -76,11 +74,9 @@ class AdamW(AccumulatingOptimizer):
 
 class Adam(AccumulatingOptimizer):
     """``torch.optim.Adam`` accumulating its gradients in fp32 buffers (see
-    AccumulatingOptimizer): per window, with ``g`` the window's gradient::
-
-        g = g + weight_decay * w          (w = w * (1 - lr * weight_decay) if decoupled_weight_decay)
-        m = beta1 * m + (1 - beta1) * g;  v = beta2 * v + (1 - beta2) * g^2
-        w = w - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+    AccumulatingOptimizer): once per window, the update of
+    ``accumkernels.ops.adam_step_and_zero_`` (``adamw_step_and_zero_``'s with
+    ``decoupled_weight_decay=True``) with the window's gradient.
 
     Args: those of ``torch.optim.Adam``, then ``accum_steps`` and the keyword
     arguments of AccumulatingOptimizer (see accumkernels.AdamW).
@@ -124,12 +120,9 @@ class Adam(AccumulatingOptimizer):
 
 class SGD(AccumulatingOptimizer):
     """``torch.optim.SGD`` accumulating its gradients in fp32 buffers (see
-    AccumulatingOptimizer): per window, with ``g`` the window's gradient::
-
-        g = g + weight_decay * w
-        b = momentum * b + (1 - dampening) * g   (b = g on the first step)
-        g = g + momentum * b if nesterov else b
-        w = w - lr * g
+    AccumulatingOptimizer): once per window, the update of
+    ``accumkernels.ops.sgd_step_and_zero_`` (its docstring has the formula)
+    with the window's gradient.
 
     Args: those of ``torch.optim.SGD``, then ``accum_steps`` and the keyword
     arguments of AccumulatingOptimizer (see accumkernels.AdamW).

@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._op_table import OPS
 from . import _common as c
 from . import _formulas as f
 
@@ -61,7 +62,7 @@ def _accumulate_kernel(
         tl.store(found_inf_ptr, 1.0, mask=tl.max(nonfinite, axis=0) > 0)
 
 
-@torch.library.custom_op("accumkernels_triton::accumulate_", mutates_args=("buffers", "found_inf"))
+@torch.library.custom_op("accumkernels_triton::accumulate_", mutates_args=OPS["accumulate_"].mutates)
 def accumulate_(
     buffers: list[torch.Tensor],
     grads: list[torch.Tensor],

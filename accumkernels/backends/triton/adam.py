@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._op_table import OPS
 from . import _common as c
 from . import _formulas as f
 
@@ -227,9 +228,6 @@ def _adam(
             )
 
 
-_MUTATES = ("params", "buffers", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "state_steps", "master_params")
-
-
 def _define(name, adamw):
     def op(
         params: list[torch.Tensor],
@@ -278,7 +276,7 @@ def _define(name, adamw):
         )
 
     op.__name__ = name
-    custom = torch.library.custom_op(f"accumkernels_triton::{name}", op, mutates_args=_MUTATES)
+    custom = torch.library.custom_op(f"accumkernels_triton::{name}", op, mutates_args=OPS[name].mutates)
     custom.register_fake(lambda *args, **kwargs: None)
     return custom
 

@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._op_table import OPS
 from . import _common as c
 
 
@@ -37,7 +38,7 @@ def _finish_kernel(partials_ptr, count, out_ptr, BLOCK: tl.constexpr):
     tl.store(out_ptr, tl.sqrt(tl.sum(acc, axis=0)).to(tl.float32))
 
 
-@torch.library.custom_op("accumkernels_triton::grad_norm", mutates_args=())
+@torch.library.custom_op("accumkernels_triton::grad_norm", mutates_args=OPS["grad_norm"].mutates)
 def grad_norm(buffers: list[torch.Tensor]) -> torch.Tensor:
     """sqrt(sum of x^2 over every element of every buffer), 0-dim fp32."""
     device = buffers[0].device

@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._op_table import OPS
 from . import _common as c
 from . import _formulas as f
 
@@ -110,9 +111,7 @@ def momentum_mode(momentum: float, is_first_step: bool) -> int:
     return f.FIRST_STEP.value if is_first_step else f.RUNNING.value
 
 
-@torch.library.custom_op(
-    "accumkernels_triton::sgd_step_and_zero_", mutates_args=("params", "buffers", "momentum_buffers", "master_params")
-)
+@torch.library.custom_op("accumkernels_triton::sgd_step_and_zero_", mutates_args=OPS["sgd_step_and_zero_"].mutates)
 def sgd_step_and_zero_(
     params: list[torch.Tensor],
     buffers: list[torch.Tensor],

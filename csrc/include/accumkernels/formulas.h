@@ -299,18 +299,15 @@ struct StepScale {
 };
 
 // ---- accumulate_ ---------------------------------------------------------
-//   buffer = (0 if overwrite else buffer) + scale * float32(grad)
+// The formulas of this file are stated once, in the docstrings of
+// accumkernels/ops.py (the ops' reference); each function here computes its
+// op's, line by line, in the same order as backends/triton/_formulas.py.
 template <bool kOverwrite>
 AK_HD float accumulate(float buffer, float grad, float scale) {
   return kOverwrite ? scale * grad : buffer + scale * grad;
 }
 
-// ---- SGD (torch.optim.SGD) -----------------------------------------------
-// g = grad_scale * buffer
-// g += weight_decay * p                            (if weight_decay != 0)
-// momentum: b = g on the first step, else b = momentum * b + (1 - dampening) * g
-//           g = g + momentum * b if nesterov else b
-// p -= lr * g
+// ---- SGD (torch.optim.SGD): accumkernels.ops.sgd_step_and_zero_ ---------
 struct SgdHyper {
   float lr;
   float momentum;
@@ -342,16 +339,10 @@ AK_HD float sgd_update(float p, float g, float& momentum_buffer, const SgdHyper&
   return p - h.lr * g;
 }
 
-// ---- Adam / AdamW (torch.optim.Adam, torch.optim.AdamW) -----------------
-// g = grad_scale * buffer
-// Adam:  g += weight_decay * p            AdamW: p *= 1 - lr * weight_decay
-// m = lerp(m, g, 1 - beta1)
-// v = beta2 * v + (1 - beta2) * g * g
-// amsgrad: v_max = nan_max(v_max, v), v_hat = v_max, else v_hat = v
-// p -= step_size * m / (sqrt(v_hat) / bias_correction2_sqrt + eps)
-// with step_size = lr / (1 - beta1^t) and bias_correction2_sqrt = sqrt(1 - beta2^t)
-// for the step count t after this step. Those two per-tensor values are
-// computed once per tensor by adam_bias_corrections().
+// ---- Adam / AdamW: accumkernels.ops.adam_step_and_zero_ / adamw_step_and_zero_
+// step_size = lr / (1 - beta1^t) and bias_correction2_sqrt = sqrt(1 - beta2^t)
+// for the step count t after this step, computed once per tensor by
+// adam_bias_corrections().
 struct AdamHyper {
   double lr;  // double: only used on the host-side path into step_size
   double beta1;
