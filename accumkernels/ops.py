@@ -55,6 +55,18 @@ def accumulate_(
         backend: None (fastest available) or a name from available_backends().
     """
     op = "accumkernels.accumulate_"
+    if isinstance(backend, Prepared):  # the caller's own tensors, checked when it made them
+        if buffers:
+            value, tensor = (1.0, scale) if isinstance(scale, torch.Tensor) else (float(scale), None)
+            backend.on(buffers[0].device).accumulate_(
+                buffers=buffers,
+                grads=grads,
+                scale=value,
+                scale_tensor=tensor,
+                overwrite=bool(overwrite),
+                found_inf=found_inf,
+            )
+        return
     buffers = checks.as_tensor_list(op, buffers, "buffers")
     grads = checks.as_tensor_list(op, grads, "grads")
     checks.check_length(op, grads, "grads", len(buffers), "one grad per buffer")
@@ -78,6 +90,11 @@ def accumulate_(
     )
 
 
+def _backend(backend, device: torch.device):
+    """The backend module for a ``backend=`` argument: a name (or None), or a Prepared one."""
+    return backend.on(device) if isinstance(backend, Prepared) else resolve(backend, device)
+
+
 def _step_arguments(
     op,
     params,
@@ -90,9 +107,29 @@ def _step_arguments(
     stochastic_rounding,
     seed,
     positions,
+    check_tensors=True,
 ) -> dict:
     """Checks what every step op takes and returns it under the schema's names
-    (maximize folded into the sign of grad_scale); {} for an empty call."""
+    (maximize folded into the sign of grad_scale); {} for an empty call.
+    ``check_tensors=False`` (a Prepared backend): the numbers are checked, the
+    tensors are the caller's own, checked when it made them."""
+    if not check_tensors:
+        params, buffers, master_params = list(params), list(buffers), list(master_params or ())
+        if not params:
+            return {}
+        scale_value, scale_tensor = (1.0, grad_scale) if isinstance(grad_scale, torch.Tensor) else (grad_scale, None)
+        return dict(
+            params=params,
+            buffers=buffers,
+            master_params=master_params,
+            grad_scale=-float(scale_value) if maximize else float(scale_value),
+            grad_scale_tensor=scale_tensor,
+            found_inf=found_inf,
+            zero_buffers=bool(zero_buffers),
+            stochastic_rounding=bool(stochastic_rounding),
+            seed=seed,
+            positions=list(positions or ()),
+        )
     params = checks.as_tensor_list(op, params, "params")
     buffers = checks.as_tensor_list(op, buffers, "buffers")
     master_params = checks.as_tensor_list(op, master_params, "master_params", optional=True)
@@ -229,7 +266,12 @@ def sgd_step_and_zero_(
     (formulas.h's rounding slots).
     """
     op = "accumkernels.sgd_step_and_zero_"
-    momentum_buffers = checks.as_tensor_list(op, momentum_buffers, "momentum_buffers", optional=True)
+    trusted = isinstance(backend, Prepared)
+    momentum_buffers = (
+        list(momentum_buffers or ())
+        if trusted
+        else checks.as_tensor_list(op, momentum_buffers, "momentum_buffers", optional=True)
+    )
     lr = checks.check_number(op, lr, "lr", low=0.0)
     momentum = checks.check_number(op, momentum, "momentum", low=0.0)
     dampening = checks.check_number(op, dampening, "dampening")
@@ -248,25 +290,29 @@ def sgd_step_and_zero_(
         stochastic_rounding,
         seed,
         positions,
+        check_tensors=not trusted,
     )
     params = args.get("params", [])
-    if momentum != 0:
+    if trusted:
+        pass
+    elif momentum != 0:
         _check_state(op, momentum_buffers, "momentum_buffers", params, checks.first_dtype(momentum_buffers))
     else:
         checks.check_length(op, momentum_buffers, "momentum_buffers", 0, "momentum is 0: pass None")
     if not params:
         return
-    checks.check_disjoint(
-        op,
-        {
-            "params": params,
-            "buffers": args["buffers"],
-            "momentum_buffers": momentum_buffers,
-            "master_params": args["master_params"],
-        },
-        _scalar_tensors(args),
-    )
-    resolve(backend, params[0].device).sgd_step_and_zero_(
+    if not trusted:
+        checks.check_disjoint(
+            op,
+            {
+                "params": params,
+                "buffers": args["buffers"],
+                "momentum_buffers": momentum_buffers,
+                "master_params": args["master_params"],
+            },
+            _scalar_tensors(args),
+        )
+    _backend(backend, params[0].device).sgd_step_and_zero_(
         **args,
         momentum_buffers=momentum_buffers,
         lr=lr,
@@ -317,6 +363,36 @@ _ADAM_DOC = """One torch.optim.{cls} step from fp32 gradient buffers, then clear
     """
 
 
+def _check_adam_tensors(op, args, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, amsgrad) -> None:
+    """The state and step-count tensors of an Adam-family call."""
+    params = args["params"]
+    state_dtype = checks.first_dtype(exp_avgs)
+    _check_state(op, exp_avgs, "exp_avgs", params, state_dtype)
+    _check_state(op, exp_avg_sqs, "exp_avg_sqs", params, state_dtype)
+    if amsgrad:
+        _check_state(op, max_exp_avg_sqs, "max_exp_avg_sqs", params, state_dtype)
+    else:
+        checks.check_length(op, max_exp_avg_sqs, "max_exp_avg_sqs", 0, "amsgrad is False: pass None")
+    checks.check_length(op, state_steps, "state_steps", len(params), "one step count per param")
+    for i, s in enumerate(state_steps):
+        checks.check_tensor(op, s, "state_steps", i, params[0].device, checks.F32)
+        if s.numel() != 1:
+            raise ValueError(f"{op}: state_steps[{i}] must have 1 element; got {s.numel()}")
+    checks.check_disjoint(
+        op,
+        {
+            "params": params,
+            "buffers": args["buffers"],
+            "exp_avgs": exp_avgs,
+            "exp_avg_sqs": exp_avg_sqs,
+            "max_exp_avg_sqs": max_exp_avg_sqs,
+            "state_steps": state_steps,
+            "master_params": args["master_params"],
+        },
+        _scalar_tensors(args),
+    )
+
+
 def _adam_family(name: str, adamw: bool, default_weight_decay: float, decay: str):
     """The Adam and AdamW entry points: one definition, two defaults."""
     op = f"accumkernels.{name}"
@@ -344,10 +420,15 @@ def _adam_family(name: str, adamw: bool, default_weight_decay: float, decay: str
         positions: Sequence[int] | None = None,
         backend: str | None = None,
     ) -> None:
-        exp_avgs = checks.as_tensor_list(op, exp_avgs, "exp_avgs")
-        exp_avg_sqs = checks.as_tensor_list(op, exp_avg_sqs, "exp_avg_sqs")
-        state_steps = checks.as_tensor_list(op, state_steps, "state_steps")
-        max_exp_avg_sqs = checks.as_tensor_list(op, max_exp_avg_sqs, "max_exp_avg_sqs", optional=True)
+        trusted = isinstance(backend, Prepared)
+        if trusted:
+            exp_avgs, exp_avg_sqs, state_steps = list(exp_avgs), list(exp_avg_sqs), list(state_steps)
+            max_exp_avg_sqs = list(max_exp_avg_sqs or ())
+        else:
+            exp_avgs = checks.as_tensor_list(op, exp_avgs, "exp_avgs")
+            exp_avg_sqs = checks.as_tensor_list(op, exp_avg_sqs, "exp_avg_sqs")
+            state_steps = checks.as_tensor_list(op, state_steps, "state_steps")
+            max_exp_avg_sqs = checks.as_tensor_list(op, max_exp_avg_sqs, "max_exp_avg_sqs", optional=True)
         lr = checks.check_number(op, lr, "lr", low=0.0)
         if not isinstance(betas, Sequence) or len(betas) != 2:
             raise TypeError(f"{op}: betas must be a pair (beta1, beta2); got {betas!r}")
@@ -367,36 +448,14 @@ def _adam_family(name: str, adamw: bool, default_weight_decay: float, decay: str
             stochastic_rounding,
             seed,
             positions,
+            check_tensors=not trusted,
         )
         params = args.get("params", [])
         if not params:
             return
-        state_dtype = checks.first_dtype(exp_avgs)
-        _check_state(op, exp_avgs, "exp_avgs", params, state_dtype)
-        _check_state(op, exp_avg_sqs, "exp_avg_sqs", params, state_dtype)
-        if amsgrad:
-            _check_state(op, max_exp_avg_sqs, "max_exp_avg_sqs", params, state_dtype)
-        else:
-            checks.check_length(op, max_exp_avg_sqs, "max_exp_avg_sqs", 0, "amsgrad is False: pass None")
-        checks.check_length(op, state_steps, "state_steps", len(params), "one step count per param")
-        for i, s in enumerate(state_steps):
-            checks.check_tensor(op, s, "state_steps", i, params[0].device, checks.F32)
-            if s.numel() != 1:
-                raise ValueError(f"{op}: state_steps[{i}] must have 1 element; got {s.numel()}")
-        checks.check_disjoint(
-            op,
-            {
-                "params": params,
-                "buffers": args["buffers"],
-                "exp_avgs": exp_avgs,
-                "exp_avg_sqs": exp_avg_sqs,
-                "max_exp_avg_sqs": max_exp_avg_sqs,
-                "state_steps": state_steps,
-                "master_params": args["master_params"],
-            },
-            _scalar_tensors(args),
-        )
-        getattr(resolve(backend, params[0].device), name)(
+        if not trusted:
+            _check_adam_tensors(op, args, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, amsgrad)
+        getattr(_backend(backend, params[0].device), name)(
             **args,
             exp_avgs=exp_avgs,
             exp_avg_sqs=exp_avg_sqs,
@@ -434,6 +493,8 @@ def grad_norm(buffers: Tensors, *, backend: str | None = None) -> torch.Tensor:
         buffers: a non-empty list of fp32 tensors on one device.
     """
     op = "accumkernels.grad_norm"
+    if isinstance(backend, Prepared):
+        return backend.on(buffers[0].device).grad_norm(buffers=list(buffers))
     buffers = checks.as_tensor_list(op, buffers, "buffers")
     if not buffers:
         raise ValueError(f"{op}: buffers is empty; expected at least one tensor (the result's device comes from them)")
@@ -441,3 +502,25 @@ def grad_norm(buffers: Tensors, *, backend: str | None = None) -> torch.Tensor:
     for i, b in enumerate(buffers):
         checks.check_tensor(op, b, "buffers", i, device, checks.F32)
     return resolve(backend, device).grad_norm(buffers=buffers)
+
+
+class Prepared:
+    """A backend for a caller whose tensors are its own, checked once when it
+    made them (AccumulatingOptimizer: its buffers, state, master weights and
+    the gradients it checked on arrival): passed as ``backend=``, the ops
+    check only the numbers of each call (hyperparameters, scales) and call
+    the backend, resolved once per device. The native kernels' own checks
+    (sizes, devices) still run; a bad tensor is the caller's bug."""
+
+    def __init__(self, name: str | None) -> None:
+        self.name = name
+        self._resolved: dict[torch.device, object] = {}
+
+    def on(self, device: torch.device):
+        backend = self._resolved.get(device)
+        if backend is None:
+            backend = self._resolved[device] = resolve(self.name, device)
+        return backend
+
+    def __repr__(self) -> str:
+        return f"Prepared({self.name!r})"

@@ -31,8 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .optim._layout import Layout, collect_params
-from .optim._update import optimizer_kind, precision_of
+from .optim import static_bytes
 
 MARGIN = 0.05
 _UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
@@ -119,44 +118,6 @@ def parse_budget(memory_budget, device: torch.device) -> int:
             )
         return int(memory_budget * torch.cuda.get_device_properties(device).total_memory)
     return int(memory_budget)
-
-
-def static_bytes(optimizer: torch.optim.Optimizer, **wrapper_options) -> dict[str, int]:
-    """What the wrapped setup holds whatever the micro-batch, by kind."""
-    kind = optimizer_kind(optimizer)
-    if kind == "fallback":
-        raise ValueError(f"plan_window knows the state of SGD, Adam and AdamW; got {type(optimizer).__name__}")
-    params, groups = collect_params(optimizer)
-    world = 1
-    if wrapper_options.get("sharded"):
-        import torch.distributed as dist
-
-        world = dist.get_world_size(wrapper_options.get("process_group"))
-    layout = Layout(params, groups, torch.device("meta"), wrapper_options.get("bucket_cap_mb", 25.0), world)
-    stepped = {id(p): p.numel() // world for p in params}  # sharded: each rank steps 1/W of every bucket
-    precision = {
-        id(p): precision_of(
-            p.dtype,
-            master_weights=wrapper_options.get("master_weights", False),
-            stochastic_rounding=wrapper_options.get("stochastic_rounding"),
-            state_dtype=wrapper_options.get("state_dtype"),
-        )
-        for p in params
-    }
-    state = 0
-    for group in optimizer.param_groups:
-        if kind == "sgd":
-            tensors = 1 if group["momentum"] else 0
-        else:
-            tensors = 2 + (1 if group.get("amsgrad") else 0)
-            state += 4 * len(group["params"])  # the step counts
-        state += sum(tensors * precision[id(p)].state_bytes() * stepped[id(p)] for p in group["params"])
-    return {
-        "params": sum(p.numel() * p.element_size() for p in params),
-        "fp32 buffers": layout.flat.numel() * 4,
-        "optimizer state": state,
-        "master weights": sum(precision[id(p)].master_bytes() * stepped[id(p)] for p in params),
-    }
 
 
 def _snapshot_state(model, optimizer):

@@ -1,13 +1,22 @@
-"""The wrapper's per-micro-step overhead on a model of many small params.
+"""The wrapper's per-micro-step overhead: its window time against plain PyTorch's.
 
-800 bf16 params (200 x Linear(64, 64) + LayerNorm), micro-batches of 8 rows,
-AdamW, windows of N = 4: the median window time of the plain ``.grad`` path
-(autograd adds into bf16 ``.grad``, loss / N, one ``AdamW.step()`` and
-``zero_grad()``) against AccumulatingOptimizer with each intake, timed in
-interleaved rounds. Small tensors make the window cheap, so the Python work
-per param and per micro-step (hooks, bookkeeping) shows.
+Two models, bf16 params, AdamW, the median window time of each path timed in
+interleaved rounds:
+
+``tiny``  800 params (200 x Linear(64, 64) + LayerNorm), micro-batches of 8
+          rows, N = 4. Small tensors make the window cheap, so the Python work
+          per param and per micro-step (hooks, bookkeeping) shows.
+``gpt``   GPT d=64 x 2 layers (accumkernels.testing.GPT, vocabulary 256),
+          micro-batches of 8 x 64 tokens, N = 8: a realistic small model.
+
+Paths: the plain ``.grad`` loop (autograd adds into bf16 ``.grad``, loss / N,
+one ``AdamW.step()`` and ``zero_grad()`` a window); AccumulatingOptimizer
+counting the window (``accum_steps=N``, ``step()`` every micro-batch) with
+each intake.
 
     python -m bench.overhead [--windows 40] [--out NAME]
+
+Targets (issue #29): tiny <= 1.05x plain, gpt counted <= 1.03x.
 """
 
 from __future__ import annotations
@@ -19,55 +28,84 @@ from torch import nn
 
 from . import common
 
-LAYERS, WIDTH, MICRO_BATCH, N = 200, 64, 8, 4
+LAYERS, WIDTH, MICRO_BATCH, TINY_N = 200, 64, 8, 4
+GPT_D, GPT_LAYERS, GPT_BATCH, GPT_CTX, GPT_N, VOCAB = 64, 2, 8, 64, 8, 256
 
 
-def _model() -> nn.Module:
+def _tiny():
     torch.manual_seed(0)
     layers = []
     for _ in range(LAYERS):
         layers += [nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH)]
-    return nn.Sequential(*layers).to(torch.bfloat16)
+    model = nn.Sequential(*layers).to(torch.bfloat16)
+    data = [torch.randn(MICRO_BATCH, WIDTH, dtype=torch.bfloat16) for _ in range(TINY_N)]
+    return model, data, lambda model, x: model(x).float().square().mean()
 
 
-def main(argv=None) -> int:
+def _gpt():
+    from accumkernels.testing import GPT
+
+    torch.manual_seed(0)
+    model = GPT(vocab=VOCAB, d=GPT_D, layers=GPT_LAYERS, heads=4, ctx=GPT_CTX).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, VOCAB, (GPT_BATCH, GPT_CTX), generator=g) for _ in range(GPT_N)]
+    return model, data, lambda model, idx: model.loss(idx, (idx * 7 + 3) % VOCAB).float()
+
+
+CASES = {
+    "tiny": (_tiny, f"{LAYERS * 4} bf16 params, micro-batch {MICRO_BATCH}, N = {TINY_N}"),
+    "gpt": (_gpt, f"GPT d={GPT_D} x {GPT_LAYERS}, micro-batch {GPT_BATCH} x {GPT_CTX}, N = {GPT_N}"),
+}
+
+
+def paths(case: str) -> dict:
+    """name -> a function that runs one window of that path."""
     import accumkernels as ak
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--windows", type=int, default=40, help="timed windows per path")
-    parser.add_argument("--results-dir", default=None, help="folder for the JSON (default: bench/results/local)")
-    parser.add_argument("--out", default="overhead-cpu")
-    args = parser.parse_args(argv)
-    device = torch.device("cpu")
-    data = [torch.randn(MICRO_BATCH, WIDTH, dtype=torch.bfloat16) for _ in range(N)]
-
-    plain = _model()
+    build = CASES[case][0]
+    plain, data, loss_of = build()
+    n = len(data)
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-4)
 
     def plain_window():
         for x in data:
-            (plain(x).float().square().mean() / N).backward()
+            (loss_of(plain, x) / n).backward()
         plain_opt.step()
         plain_opt.zero_grad()
 
-    paths = {"plain .grad (bf16)": plain_window}
+    out = {"plain .grad (bf16)": plain_window}
     for intake in ak.AccumulatingOptimizer.INTAKES:
-        model = _model()
-        opt = ak.AccumulatingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), accum_steps=N, intake=intake)
+        model = build()[0]
+        opt = ak.AccumulatingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), accum_steps=n, intake=intake)
 
         def window(model=model, opt=opt):
             for x in data:
-                model(x).float().square().mean().backward()
+                loss_of(model, x).backward()
                 opt.step()
                 opt.zero_grad()
 
-        paths[f"AccumulatingOptimizer, intake={intake!r}"] = window
+        out[f"AccumulatingOptimizer, intake={intake!r}"] = window
+    return out
 
-    medians = common.interleaved_medians(list(paths.values()), device, reps=args.windows, warmup=3)
-    base = medians[0]
-    rows = [dict(path=name, window_ms=m * 1e3, relative=m / base) for name, m in zip(paths, medians)]
-    print(f"{LAYERS * 4} bf16 params, micro-batch {MICRO_BATCH}, N = {N}, AdamW, median of {args.windows} windows")
-    print(common.table(rows, [("path", "path", ""), ("window_ms", "ms/window", ".2f"), ("relative", "x plain", ".3f")]))
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--windows", type=int, default=40, help="timed windows per path")
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {list(CASES)}")
+    parser.add_argument("--results-dir", default=None, help="folder for the JSON (default: bench/results/local)")
+    parser.add_argument("--out", default="overhead-cpu")
+    args = parser.parse_args(argv)
+    device = torch.device("cpu")
+    rows = []
+    for case in args.cases.split(","):
+        runs = paths(case)
+        medians = common.interleaved_medians(list(runs.values()), device, reps=args.windows, warmup=3)
+        base = medians[0]
+        case_rows = [dict(case=case, path=name, window_ms=m * 1e3, relative=m / base) for name, m in zip(runs, medians)]
+        print(f"{CASES[case][1]}, AdamW, median of {args.windows} windows")
+        columns = [("path", "path", ""), ("window_ms", "ms/window", ".2f"), ("relative", "x plain", ".3f")]
+        print(common.table(case_rows, columns))
+        rows += case_rows
     path = common.write_results(args.out, {"machine": common.machine_record(device), "rows": rows}, args.results_dir)
     print(f"wrote {path}")
     return 0

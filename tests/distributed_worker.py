@@ -366,7 +366,7 @@ def wire(cfg, rank, world):
     opt._window.touched = set(range(len(opt._layout)))
     reducer.launch_remaining()
     reducer.finish()
-    shards = [reducer.shard(b.index) for b in opt._layout.buckets] if cfg.get("sharded") else None
+    shards = [opt._layout.shard_of(b, rank, world) for b in opt._layout.buckets] if cfg.get("sharded") else None
     return {"flat": flat.clone(), "shards": shards}
 
 

@@ -11,10 +11,10 @@ every private name used here against the installed torch.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from torch.amp.grad_scaler import OptState
+
+from ._discovery import calling_frame
 
 
 def is_enabled(scaler) -> bool:
@@ -70,33 +70,45 @@ def scaler_driving(optimizer):
     ``optimizer.grad_scale``/``found_inf`` for the call when the optimizer
     handles scaling, and nothing otherwise): it is found on the call stack, a
     few frames up, by the code of its methods. (Only that frame's locals are
-    read: reading a frame's f_locals pins its variables to it.)"""
+    read: reading a frame's f_locals pins its variables to it.) A stack walk:
+    the intakes call it only where a cheaper sign says a scaler may be there
+    (``may_be_driving``)."""
     codes = _step_codes()
-    frame = sys._getframe(1)
-    for _ in range(8):
-        if frame is None:
-            return None
-        if frame.f_code in codes:
-            candidate = frame.f_locals.get("self")
-            return candidate if isinstance(candidate, torch.amp.GradScaler) else None
-        frame = frame.f_back
-    return None
+    frame = calling_frame(lambda f: f.f_code in codes, skip=1, limit=8)
+    candidate = None if frame is None else frame.f_locals.get("self")
+    return candidate if isinstance(candidate, torch.amp.GradScaler) else None
+
+
+# GradScaler.step() runs its inf check (_check_inf_per_device) on the
+# optimizer's .grad before it calls the step of an optimizer that handles
+# scaling: on intake "hooks"' FoldedGrad markers, which count it here. A
+# change of the count tells the intake a scaler is stepping it (see
+# may_be_driving), whatever object the scaler was handed.
+_marker_checks = 0
 
 
 def checking_inf_for_step() -> bool:
     """GradScaler.step() is running its own inf check of ``.grad``
     (``_check_inf_per_device``, with a unit scale) before it calls the step of
     an optimizer that handles scaling (the wrapper with intake "hooks", which
-    checks every gradient as it folds it)."""
+    checks every gradient as it folds it). Counted (see above)."""
+    global _marker_checks
     code = torch.amp.GradScaler._check_inf_per_device.__code__
-    frame = sys._getframe(1)
-    for _ in range(12):
-        if frame is None:
-            return False
-        if frame.f_code is code:
-            return True
-        frame = frame.f_back
-    return False
+    found = calling_frame(lambda f: f.f_code is code, skip=1, limit=12) is not None
+    _marker_checks += found
+    return found
+
+
+def marker_checks() -> int:
+    """How many times a GradScaler's inf check met FoldedGrad markers so far."""
+    return _marker_checks
+
+
+def may_be_driving(optimizer, checks_seen: int) -> bool:
+    """A cheap sign that a GradScaler is calling ``optimizer.step()`` (intake
+    "hooks"): GradScaler set ``found_inf`` on it for the call, or its inf check
+    met the markers since ``checks_seen``."""
+    return "found_inf" in vars(optimizer) or _marker_checks != checks_seen
 
 
 def unscale_and_check(views: list[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
@@ -126,31 +138,15 @@ class LossScale:
         self._cached = None
 
 
-def meet_driver(optimizer, *, intake, loss_scale: LossScale, ends_window: bool, device: torch.device) -> None:
-    """Handle a GradScaler that is calling ``optimizer.step()`` through its
-    standard protocol, whether it was given to the wrapper or not (frameworks
-    make their own):
-
-    - intake "hooks": the scaler calls step() directly (the wrapper handles
-      scaling). One it was not given is adopted at its first call: the window's
-      sum so far is unscaled and checked in place, later micro-batches as they
-      are folded. ``scaler.unscale_(opt)`` before is refused: there is no
-      ``.grad`` for it to unscale.
-    - intake "grad": the scaler unscales ``.grad`` (the buffers) and skips
-      step() on inf itself, so it must do that once per window."""
-    driver = scaler_driving(optimizer)
-    if driver is None or not driver.is_enabled():
-        return
+def adopt(driver, optimizer, loss_scale: LossScale, intake, device: torch.device) -> None:
+    """Intake "hooks": a GradScaler calls step() directly (the wrapper handles
+    scaling). One the wrapper was not given is adopted at its first call:
+    the window's sum so far is unscaled and checked in place, later
+    micro-batches as they are folded. ``scaler.unscale_(opt)`` before is
+    refused: there is no ``.grad`` for it to unscale."""
     given = loss_scale.scaler
     if given is not None and given is not driver:
         raise RuntimeError("step() is called by another GradScaler than the one given as grad_scaler=")
-    if intake.name == "grad":
-        if not ends_window:
-            raise RuntimeError(
-                "with intake='grad' a GradScaler unscales .grad, which holds the window's running sum: call "
-                "scaler.step(opt) and scaler.update() once per window (accum_steps=None), or use intake='hooks'"
-            )
-        return
     if was_unscaled(driver, optimizer):
         raise RuntimeError(
             "scaler.unscale_(opt) found no .grad: with intake='hooks' gradients are folded into the wrapper's fp32 "
@@ -162,6 +158,19 @@ def meet_driver(optimizer, *, intake, loss_scale: LossScale, ends_window: bool, 
         views = [intake.layout.records[i].buffer for i in sorted(window.touched)]
         unscale_and_check(views, inverse_scale(driver, device), window.step_found_inf)
         loss_scale.scaler = driver
+
+
+def refuse_unscaling_running_sum(driver, loss_scale: LossScale, ends_window: bool) -> None:
+    """Intake "grad": the scaler unscales ``.grad`` (the buffers) and skips
+    step() on inf itself, so it must do that once per window."""
+    given = loss_scale.scaler
+    if given is not None and given is not driver:
+        raise RuntimeError("step() is called by another GradScaler than the one given as grad_scaler=")
+    if not ends_window:
+        raise RuntimeError(
+            "with intake='grad' a GradScaler unscales .grad, which holds the window's running sum: call "
+            "scaler.step(opt) and scaler.update() once per window (accum_steps=None), or use intake='hooks'"
+        )
 
 
 def check_exposed_window(

@@ -11,9 +11,9 @@ named, and the wrapper goes on as it was.
 
 from __future__ import annotations
 
-import sys
-
 import torch
+
+from ._discovery import calling_frame
 
 
 def _params_in_saved_order(wrapper, state_dict) -> list:
@@ -130,14 +130,13 @@ _DCP = "torch.distributed.checkpoint.state_dict"
 
 
 def _called_from(module: str, function: str) -> bool:
-    frame = sys._getframe(2)
-    for _ in range(12):
-        if frame is None:
-            return False
-        if frame.f_code.co_name == function and frame.f_globals.get("__name__") == module:
-            return True
-        frame = frame.f_back
-    return False
+    """``module.function`` is among the 12 callers of the wrapper method calling this."""
+    return (
+        calling_frame(
+            lambda f: f.f_code.co_name == function and f.f_globals.get("__name__") == module, skip=2, limit=12
+        )
+        is not None
+    )
 
 
 def dcp_initializing_state() -> bool:

@@ -27,14 +27,13 @@ shard is rounded to bf16 once more to be gathered.
 
 from __future__ import annotations
 
-import gc
-import weakref
 import zlib
 
 import torch
 import torch.distributed as dist
 
-from ._layout import Bucket, Layout, flat_view
+from ._layout import Bucket, Layout, ParamRecord, flat_view
+from ._sync import Sync
 from ._window import Window
 
 
@@ -48,27 +47,35 @@ def _all_gather(output, input, group):
     return fn(output, input, group=group, async_op=True)
 
 
-class BucketReducer:
-    """Launches and completes the per-bucket collectives of one window."""
+class BucketSync(Sync):
+    """Several data-parallel ranks: launches and completes the per-bucket
+    collectives of each window, sums its bookkeeping over the ranks, and
+    (sharded, ZeRO-1) gathers the updated params."""
 
-    def __init__(self, group, layout: Layout, window: Window, sharded: bool, wire_dtype, average: bool) -> None:
+    spans_ranks = True
+    reduces_buffers = True
+
+    def __init__(
+        self, group, layout: Layout, window: Window, sharded: bool, wire_dtype, average: bool, ddp=None
+    ) -> None:
         # average: the intake exposes the buffers as .grad, which must hold the
         # window averaged over ranks (as DDP's) once reduced (see reduce_now)
+        super().__init__(layout, window, ddp)
         self.replicas_checked = False  # the first window sent its replica hashes
-        self.window = window
         self.average = average
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.layout = layout
         self.flat = layout.flat
-        self.ranges = [(b.start, b.end) for b in layout.buckets]
         self.sharded = sharded
         self.wire_dtype = wire_dtype
         self._ready: set[int] = set()
         self._next = 0  # the next bucket to launch
         self.finished = False  # the window's sum is reduced (finish() ran)
         self._launched: list[tuple[int, object, tuple]] = []  # (bucket, work, tensors kept alive)
+        self.check_layout()
+        if sharded:
+            layout.set_shards(self.rank, self.world)
 
     def check_layout(self) -> None:
         """At construction: every rank of the group wraps params of the same
@@ -109,8 +116,15 @@ class BucketReducer:
 
     @property
     def started(self) -> bool:
-        """The buffers are being (or have been) reduced in place this window."""
         return bool(self._ready) or self.finished
+
+    @property
+    def reduced(self) -> bool:
+        return self.finished
+
+    def norm_records(self) -> list[ParamRecord]:
+        """Reduced: params another rank touched hold gradient too (the others zeros)."""
+        return list(self.layout)
 
     def reset(self) -> None:
         """The window ended: the next one starts unreduced."""
@@ -119,32 +133,29 @@ class BucketReducer:
         self._launched.clear()
         self.finished = False
 
-    def launched(self, bucket: Bucket) -> bool:
+    def bucket_launched(self, bucket: Bucket) -> bool:
         return bucket.index < self._next
 
-    def shard(self, index: int) -> tuple[int, int]:
-        """This rank's [lo, hi) slice of bucket ``index`` in the flat buffer."""
-        start, end = self.ranges[index]
-        s = (end - start) // self.world
-        return start + self.rank * s, start + (self.rank + 1) * s
+    def _shard(self, index: int) -> tuple[int, int]:
+        return self.layout.shard_of(self.layout.buckets[index], self.rank, self.world)
 
-    def __call__(self, bucket: Bucket) -> None:
+    def bucket_ready(self, bucket: Bucket) -> None:
         """``bucket`` holds this rank's whole window sum: launch it and every
         ready bucket after it, in order. Views of params that got no gradient in
         the window still hold an older window's values: zeroed first."""
         window = self.window
         self.layout.zero_views(r for r in bucket.records if r.index not in window.touched)
         self._ready.add(bucket.index)
-        while self._next < len(self.ranges) and self._next in self._ready:
+        while self._next < len(self.layout.buckets) and self._next in self._ready:
             self._launch(self._next)
             self._next += 1
 
     def _launch(self, index: int) -> None:
-        start, end = self.ranges[index]
-        bucket = self.flat[start:end]
+        b = self.layout.buckets[index]
+        bucket = self.flat[b.start : b.end]
         if self.wire_dtype == torch.float32:
             if self.sharded:
-                lo, hi = self.shard(index)
+                lo, hi = self._shard(index)
                 work = _reduce_scatter(self.flat[lo:hi], bucket, self.group)
             else:
                 work = dist.all_reduce(bucket, group=self.group, async_op=True)
@@ -158,15 +169,15 @@ class BucketReducer:
     def finish(self) -> None:
         """Wait for every bucket's reduction; after it each rank's shard (sharded)
         or whole buffer (all-reduce) holds the sum over ranks."""
-        if self._next != len(self.ranges):
-            raise RuntimeError("BucketReducer.finish() before every bucket was launched")
+        if self._next != len(self.layout.buckets):
+            raise RuntimeError("BucketSync.finish() before every bucket was launched")
         gathers = []
         for index, work, tensors in self._launched:
             work.wait()
             if not tensors:
                 continue
             send, received = tensors
-            lo, hi = self.shard(index)
+            lo, hi = self._shard(index)
             total = received.view(self.world, hi - lo).sum(dim=0, dtype=torch.float32)
             if self.sharded:
                 self.flat[lo:hi].copy_(total)
@@ -174,8 +185,8 @@ class BucketReducer:
                 gathers.append((index, _all_gather(send, total.to(self.wire_dtype), self.group), send))
         for index, work, gathered in gathers:
             work.wait()
-            start, end = self.ranges[index]
-            self.flat[start:end].copy_(gathered)
+            b = self.layout.buckets[index]
+            self.flat[b.start : b.end].copy_(gathered)
         self.finished = True
 
     def launch_remaining(self) -> None:
@@ -183,8 +194,8 @@ class BucketReducer:
         if self.finished:
             return
         for bucket in self.layout.buckets:
-            if not self.launched(bucket):
-                self(bucket)
+            if not self.bucket_launched(bucket):
+                self.bucket_ready(bucket)
 
     def reduce_now(self) -> None:
         """Reduce the whole window now and average it over the ranks (the
@@ -200,6 +211,7 @@ class BucketReducer:
         The first window's also carries the replica hashes: ranks that hold
         different param values (pipeline stages of equal shapes, replicas
         seeded apart) are refused before anything is stepped."""
+        self._end_first_window()
         if self.average and not self.finished:
             self.reduce_now()
         self.launch_remaining()
@@ -215,7 +227,7 @@ class BucketReducer:
         self.replicas_checked = True
         if unlike:
             _refuse_unlike_params(self.group, "different param values")
-        return found_inf, items, micro_steps
+        return found_inf, self.window.global_normalization(items, micro_steps)
 
     def squared_norm(self, local: torch.Tensor) -> torch.Tensor:
         """The window gradient's squared norm from this rank's: every rank holds
@@ -241,16 +253,14 @@ class BucketReducer:
         touched = self.window.touched
         staging, works = [], []
         for b in self.layout.buckets:
-            region = self.flat[b.start : b.end]
-            if b.gather_dtype != torch.float32:
-                region = region.view(b.gather_dtype)[: b.end - b.start]
+            region = self.layout.region(b, b.gather_dtype)
             for r in b.records:
                 if r.stepped_here:
                     lo, hi = r.shard
                     at = r.offset - b.start
                     region[at + lo : at + hi].copy_(r.param_view())
-            s = region.numel() // self.world
-            works.append(_all_gather(region, region[self.rank * s : (self.rank + 1) * s], self.group))
+            lo, hi = self.layout.shard_of(b, self.rank, self.world, relative=True)
+            works.append(_all_gather(region, region[lo:hi], self.group))
             staging.append(region)
         for work in works:
             work.wait()
@@ -320,120 +330,3 @@ def all_reduce_window(group, window: Window, layout: Layout, check_inf: bool, wh
         sums = meta[3 : 3 + n].view(-1, 2)
         unlike = bool((dist.get_world_size(group) * sums[:, 1] != sums[:, 0] * sums[:, 0]).any())
     return (meta[0:1] > 0).to(torch.float32), meta[1:2], meta[2:3], unlike
-
-
-# ---- DistributedDataParallel: taken over, not refused --------------------------
-#
-# Frameworks (Accelerate, HF Trainer, Lightning) wrap the model in DDP on
-# several processes. DDP's reducer would all-reduce ``.grad`` on every
-# micro-step that is not under ``no_sync()`` (in the params' dtype: bf16 for
-# bf16 params), while the wrapper reduces its fp32 buffers once per window. The
-# wrapper takes a DDP module over: its forward runs with
-# ``require_backward_grad_sync = False`` (so the reducer never prepares a
-# reduction and its hooks do nothing), and the value the framework set (False
-# inside ``no_sync()``, True on the micro-step that should sync) is kept as the
-# window's ``sync_intent``: it tells which backward ends the window.
-
-
-def ddp_modules_holding(params) -> list:
-    """The DistributedDataParallel modules (anywhere in this process) that hold any of ``params``."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    ids = {id(p) for p in params}
-    return [
-        obj
-        for obj in gc.get_objects()
-        # type(), not isinstance(): the latter reads __class__, which warns on
-        # deprecated proxies such as torch.distributed.reduce_op
-        if issubclass(type(obj), DistributedDataParallel) and any(id(p) in ids for p in obj.module.parameters())
-    ]
-
-
-def take_over_ddp(ddp, window: Window) -> None:
-    """Silence ``ddp``'s communication and record the framework's sync intent
-    in ``window`` at every forward (idempotent)."""
-    if getattr(ddp, "_accumkernels_window", None) is not None:
-        if ddp._accumkernels_window() is not window:
-            raise RuntimeError(
-                "this DistributedDataParallel module is already taken over by another AccumulatingOptimizer"
-            )
-        return
-    if getattr(ddp, "static_graph", False) or getattr(ddp, "_use_python_reducer", False):
-        raise RuntimeError(
-            "AccumulatingOptimizer takes over DistributedDataParallel's communication, which it cannot do with "
-            "static_graph=True or the python reducer (compiled autograd): construct DDP without them"
-        )
-    forward = ddp.forward
-    window_ref = weakref.ref(window)
-
-    def forward_without_sync(*args, **kwargs):
-        intent = ddp.require_backward_grad_sync
-        ddp.require_backward_grad_sync = False
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            ddp.require_backward_grad_sync = intent
-            ddp.require_forward_param_sync = True  # buffers broadcast at the next forward, as when DDP syncs
-            owner = window_ref()
-            if owner is not None and torch.is_grad_enabled():
-                owner.sync_intent = intent
-
-    ddp.forward = forward_without_sync
-    ddp._accumkernels_window = window_ref
-
-
-class DDPWatch:
-    """Finds DDP modules over the wrapper's params: those that exist now, and
-    those a framework builds after the optimizer (Accelerate, HF Trainer), at
-    their first forward, through a global module forward pre-hook that lives
-    until the wrapper's first window ends (then one last scan)."""
-
-    def __init__(self, params, window: Window) -> None:
-        self._ids = {id(p) for p in params}
-        self._params = params
-        self._window = window
-        self._seen: set[int] = set()
-        for ddp in ddp_modules_holding(params):
-            take_over_ddp(ddp, window)
-        ref = weakref.ref(self)
-        self._handle = torch.nn.modules.module.register_module_forward_pre_hook(
-            lambda module, args: _watch_forward(ref, module)
-        )
-        weakref.finalize(self, self._handle.remove)
-
-    def check_module(self, module) -> None:
-        from torch.nn.parallel import DistributedDataParallel
-
-        if id(module) in self._seen or not issubclass(type(module), DistributedDataParallel):
-            return
-        self._seen.add(id(module))
-        if not any(id(p) in self._ids for p in module.module.parameters()):
-            return
-        first = getattr(module, "_accumkernels_window", None) is None
-        take_over_ddp(module, self._window)
-        if first:
-            # This call already looked up the old forward: silence it by hand and
-            # restore the framework's value after it.
-            intent = module.require_backward_grad_sync
-            module.require_backward_grad_sync = False
-            if torch.is_grad_enabled():
-                self._window.sync_intent = intent
-            handle = None
-
-            def restore(mod, args, output):
-                mod.require_backward_grad_sync = intent
-                mod.require_forward_param_sync = True
-                handle.remove()
-
-            handle = module.register_forward_hook(restore)
-
-    def end_first_window(self) -> None:
-        self._handle.remove()
-        for ddp in ddp_modules_holding(self._params):
-            take_over_ddp(ddp, self._window)
-
-
-def _watch_forward(ref, module) -> None:
-    watch = ref()
-    if watch is not None:
-        watch.check_module(module)

@@ -7,11 +7,9 @@ wrapper's fp32 buffer, so there is no ``.grad`` to read after backward. With
 ``clip_grad_norm_`` finds no gradient, clips nothing and returns 0, and a
 logged norm is 0. The marker is a tensor with the param's shape, dtype and
 device and no storage; any operation on it raises an error that says what to
-use instead. The one operation it takes is autograd's own accumulation into
-``.grad`` right after the intake took that gradient (``FoldedGrad.expect``),
-which it absorbs: the gradient is already in the buffer; and GradScaler's
-own inf check before it steps the wrapper, which checked every gradient as it
-folded it.
+use instead. Autograd never adds into it (the intake's hook hands it no
+gradient); the one operation it takes is GradScaler's own inf check before it
+steps the wrapper, which checked every gradient as it folded it.
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ import torch
 
 from . import _amp, _guards
 
-_ACCUMULATION = (torch.ops.aten.add_.Tensor, torch.ops.aten.add.Tensor)
 _UNSCALE = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
 
 
@@ -47,7 +44,6 @@ class FoldedGrad(torch.Tensor):
 
     def __init__(self, param: torch.Tensor, index: int) -> None:
         self.index = index
-        self.expect = False  # the intake just took a gradient: autograd's accumulation into .grad follows
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -59,12 +55,8 @@ class FoldedGrad(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         target = args[0] if args else None
-        if isinstance(target, FoldedGrad):
-            if func in _ACCUMULATION and target.expect:
-                target.expect = False
-                return target
-            if func is torch.ops.aten.detach.default:
-                return target
+        if isinstance(target, FoldedGrad) and func is torch.ops.aten.detach.default:
+            return target
         markers = [a for a in args if isinstance(a, FoldedGrad)] + [
             t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, FoldedGrad)
         ]

@@ -20,11 +20,12 @@ wrapper's own distributed mode.
 from __future__ import annotations
 
 import functools
-import gc
 
 import torch
 
+from ._discovery import live_instances
 from ._distributed import all_reduce_window, sum_over_ranks
+from ._sync import Sync
 
 
 @functools.cache  # an import statement per gradient costs more than the check
@@ -76,13 +77,12 @@ def fsdp_param_groups(params) -> list:
     from torch.distributed.fsdp import FSDPModule
 
     ids = {id(p) for p in params}
-    groups = []
-    for obj in gc.get_objects():
-        if issubclass(type(obj), FSDPModule):
-            for group in obj._get_fsdp_state()._fsdp_param_groups:
-                if any(id(fp.sharded_param) in ids for fp in group.fsdp_params):
-                    groups.append(group)
-    return groups
+    return [
+        group
+        for module in live_instances(FSDPModule)
+        for group in module._get_fsdp_state()._fsdp_param_groups
+        if any(id(fp.sharded_param) in ids for fp in group.fsdp_params)
+    ]
 
 
 def unit_of(params):
@@ -92,19 +92,20 @@ def unit_of(params):
     return lambda p: unit.get(id(p))
 
 
-class FSDPSync:
-    """The window's cross-rank bookkeeping over the FSDP2 mesh (the same
-    interface as _distributed.BucketReducer, with no buffer to reduce)."""
+class FSDPSync(Sync):
+    """The window's cross-rank bookkeeping over the FSDP2 mesh: FSDP2 reduces
+    the gradients, so no buffer is reduced here (nor ever started), and the
+    buffers never hold more than this rank's shards (a global norm needs
+    max_grad_norm=, summed over the mesh at the window's end)."""
 
-    started = False  # the buffers are never reduced in place by the wrapper
+    spans_ranks = True
 
-    def __init__(self, mesh, params, window, layout) -> None:
+    def __init__(self, mesh, params, layout, window) -> None:
+        super().__init__(layout, window)
         self.group = mesh.get_group()
         self.world = mesh.size()
         self.rank = mesh.get_local_rank()
         self._params = params
-        self._window = window
-        self._layout = layout
         self._groups: list | None = None
 
     def divisor(self) -> float:
@@ -118,16 +119,18 @@ class FSDPSync:
         factor = factors.pop() if factors else None
         return float(self.world if factor is None else factor)
 
+    @property
+    def reduced(self) -> bool:
+        return False
+
     def end_window(self, check_inf: bool):
-        self._window.divisor = self.divisor()
-        return all_reduce_window(self.group, self._window, self._layout, check_inf)[:3]
+        self.window.divisor = self.divisor()
+        found_inf, items, micro_steps, _ = all_reduce_window(self.group, self.window, self.layout, check_inf)
+        return found_inf, self.window.global_normalization(items, micro_steps)
 
     def squared_norm(self, local: torch.Tensor) -> torch.Tensor:
         """Every rank holds its shards: the squared norms add up over the mesh."""
         return sum_over_ranks(local, self.group)
-
-    def after_step(self) -> None:
-        pass
 
     def stream_id(self, index: int) -> int:
         """Param ``index``'s stochastic-rounding stream on this rank: ranks hold

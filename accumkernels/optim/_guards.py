@@ -12,7 +12,7 @@ gradient since the previous call, and a framework's code on the call stack.
 
 from __future__ import annotations
 
-import sys
+from ._discovery import frames_above
 
 # Top-level packages whose code calls optimizer.step() for the user, and the
 # setting in which each counts the window itself.
@@ -27,14 +27,11 @@ FRAMEWORKS = {
 def frameworks_calling() -> list[str]:
     """The frameworks (FRAMEWORKS' keys) whose code is on the call stack of
     the current step() call, innermost first."""
-    found, frame = [], sys._getframe(2)
-    for _ in range(60):
-        if frame is None:
-            break
+    found = []
+    for frame in frames_above(skip=2, limit=60):
         top = frame.f_globals.get("__name__", "").partition(".")[0]
         if top in FRAMEWORKS and top not in found:
             found.append(top)
-        frame = frame.f_back
     return found
 
 

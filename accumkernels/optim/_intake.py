@@ -5,6 +5,7 @@ computes it (a pre-hook of the param's gradient accumulator, run after the
 param's own tensor hooks and before autograd would add it into ``.grad``; not
 run in ``torch.autograd.grad()``, which accumulates nothing;
 FSDP2: a post-accumulate-grad hook, once FSDP2 handed the reduced shard over);
+and returns no gradient, so autograd adds nothing into ``.grad``;
 when a bucket's gradients are all there, one ``accumulate_`` call folds them
 into the buffers (cast, loss-scale and inf check in the same pass; a param's
 first gradient of a window overwrites its buffer, so nothing is ever zeroed).
@@ -25,6 +26,17 @@ before it (a loop or framework that accumulates itself) is refused there.
 
 A param is owned by one live intake at a time: a second wrapper over the same
 params is refused until the first is closed.
+
+What differs between the intakes is theirs to decide, through one interface
+the wrapper calls at fixed points (``Intake``): how a GradScaler that calls
+``step()`` is met (``meet_scaler``) and told the window's inf flags
+(``report_micro_step``, ``report_window``), the check of an exposed window
+(``end_window``), and where a clip coefficient goes (``clip``).
+
+The per-gradient path is short: the arriving gradient is checked (dtype,
+device, shape, layout: ``_check_arriving``) and queued; a full bucket is
+folded by ``accumulate_`` through a ``Prepared`` backend, which checks no
+tensor again (the buffers are the wrapper's own, checked when made).
 """
 
 from __future__ import annotations
@@ -37,8 +49,11 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import ops
+from .._validation import GRAD_DTYPES
+from . import _amp
 from ._folded import FoldedGrad
 from ._layout import Bucket, Layout, ParamRecord
+from ._sync import Sync
 from ._window import Window
 
 INTAKES = ("hooks", "grad")
@@ -47,12 +62,23 @@ INTAKES = ("hooks", "grad")
 _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def _call_weak(ref, name, index, arg) -> None:
-    """A hook's call into its intake, held weakly; ``arg`` is what the hook was
-    given (the param for post-accumulate-grad hooks, the gradient for tensor hooks)."""
+def _call_weak(ref, index, arg) -> None:
+    """A post-accumulate-grad hook's call into its intake, held weakly (``arg``: the param)."""
     intake = ref()
     if intake is not None:
-        getattr(intake, name)(index, arg)
+        intake._on_grad(index, arg)
+
+
+def _take_and_drop(ref, index, grads):
+    """A pre-hook of a param's gradient accumulator (intake "hooks"): the
+    intake takes the gradient, and autograd gets none back to add into
+    ``.grad`` (AccumulateGrad skips an undefined gradient; the param's
+    post-accumulate-grad hooks still run)."""
+    intake = ref()
+    if intake is None:
+        return None
+    intake._arrive(index, grads[0])
+    return (None,)
 
 
 def _remove(handles, markers=None) -> None:
@@ -66,43 +92,47 @@ def _remove(handles, markers=None) -> None:
 
 
 class Intake:
-    """What both intakes share: ownership of the params, the per-param hooks
-    (through a weak reference, so a dropped wrapper is freed at once), and
-    noticing params that start requiring gradients after wrapping."""
+    """The interface the wrapper calls, and what both intakes share: ownership
+    of the params, the per-param hooks (through a weak reference, so a dropped
+    wrapper is freed at once), and noticing params that start requiring
+    gradients after wrapping."""
 
-    name = ""
-    zero_buffers_at_step = False
+    name = ""  # for messages only: the wrapper never branches on it
+    zero_buffers_at_step = False  # the step clears the buffers (they are .grad)
+    supports_amp_scaling = False  # a GradScaler calls step() directly, leaving unscaling and skipping to us
 
     def __init__(
         self,
         layout: Layout,
         window: Window,
         *,
-        backend: str | None,
+        backend: ops.Prepared,
         skip_nonfinite: bool,
         loss_scale,
         accum_steps: int | None,
-        bucket_done=None,
+        sync: Sync,
     ) -> None:
         # loss_scale(): the factor that unscales this micro-step's gradients (1.0 or a tensor);
-        # bucket_done(bucket): called when this rank's window sum of a bucket is final
-        # (distributed runs), during the backward of the window's last micro-step.
+        # sync: the window's cross-rank part, told when a bucket's window sum is
+        # final (during the backward of the window's last micro-step).
         # Nothing here refers to the wrapper: dropping it frees it (and its buffers) at once.
         self.layout = layout
         self.window = window
         self.backend = backend
         self.skip_nonfinite = skip_nonfinite
         self.loss_scale = loss_scale
-        self.bucket_done = bucket_done
+        self.sync = sync
         self.accum_steps = accum_steps
+        self.repeated: tuple[int, int] = (0, -1)  # (the most gradients one param got since step(), that param)
         # torch.distributed initialized after the wrapper was built: noticed at
         # the first gradient, before a DDP module's reducer could act on it.
         self._watch_late_init = not (dist.is_available() and dist.is_initialized())
         self.arrivals: dict[int, int] = {}  # param index -> gradients received since the last step()
         self._claim()
+        self._scaler_checks = _amp.marker_checks()  # a GradScaler's inf checks of the markers seen so far
         self._handles: dict[int, torch.utils.hooks.RemovableHandle] = {}
         self._markers: dict[int, tuple[torch.Tensor, FoldedGrad]] = {}  # param index -> (param, its .grad marker)
-        self._hook = functools.partial(_call_weak, weakref.ref(self), "_on_grad")
+        self._ref = weakref.ref(self)
         weakref.finalize(self, _remove, self._handles, self._markers)
         self._hook_trainable()
 
@@ -124,13 +154,13 @@ class Intake:
         candidates = getattr(self, "_unhooked", self.layout.records)
         new = [r for r in candidates if r.param.requires_grad]
         for r in new:
-            self._handles[r.index] = self._register(r, functools.partial(self._hook, r.index))
+            self._handles[r.index] = self._register(r)
         self._unhooked = [r for r in candidates if r.index not in self._handles]
         return new
 
-    def _register(self, r: ParamRecord, hook):
+    def _register(self, r: ParamRecord):
         """The hook that hands ``r``'s gradients to ``_on_grad`` (post-accumulate-grad by default)."""
-        return r.param.register_post_accumulate_grad_hook(hook)
+        return r.param.register_post_accumulate_grad_hook(functools.partial(_call_weak, self._ref, r.index))
 
     def refresh(self) -> None:
         """At every step(): params unfrozen since the last call get their hook
@@ -147,13 +177,12 @@ class Intake:
     def start_micro_step(self) -> None:
         """A step() call took this micro-step's gradients: count afresh."""
         self.arrivals.clear()
+        self.repeated = (0, -1)
 
     def backwards_since_step(self) -> tuple[int, int]:
-        """(the most gradients any param got since the last step(), that param's index)."""
-        if not self.arrivals:
-            return 0, -1
-        index = max(self.arrivals, key=self.arrivals.get)
-        return self.arrivals[index], index
+        """(the most gradients any param got since the last step(), that param's
+        index): (0, -1) when none got more than one."""
+        return self.repeated
 
     def close(self) -> None:
         _remove(self._handles, self._markers)
@@ -176,8 +205,10 @@ class Intake:
         if self._watch_late_init:
             self._refuse_late_init()
         r = self.layout.records[index]
-        self.arrivals[index] = self.arrivals.get(index, 0) + 1
-        self._check_param(r)
+        count = self.arrivals.get(index, 0) + 1
+        self.arrivals[index] = count
+        if count > self.repeated[0]:
+            self.repeated = (count, index)
         self._take(r, arg)
 
     @property
@@ -195,94 +226,173 @@ class Intake:
         """The param is as it was wrapped: its buffer, master weights and state
         dtype were chosen for that dtype and device (``model.to(...)`` after
         wrapping would step it with stale ones)."""
-        if r.param.dtype != r.dtype or r.param.device != r.device:
+        param = r.param
+        if param.dtype is not r.dtype or param.device != r.device:
             raise RuntimeError(
                 f"param {r.index} was {r.dtype} on {r.device} when AccumulatingOptimizer was built and is now "
-                f"{r.param.dtype} on {r.param.device} (model.to() after wrapping): convert or move the model first, "
+                f"{param.dtype} on {param.device} (model.to() after wrapping): convert or move the model first, "
                 "then build the optimizer and the wrapper"
             )
 
-    def _check_shape(self, r: ParamRecord, grad: torch.Tensor) -> None:
+    @staticmethod
+    def _check_shape(r: ParamRecord, grad: torch.Tensor) -> None:
         if grad.shape != (r.param.shape if r.local_of is None else r.local.shape):
             raise RuntimeError(
                 f"AccumulatingOptimizer: a gradient of shape {tuple(grad.shape)} arrived for param {r.index} of "
                 f"shape {tuple(r.local.shape)}"
             )
 
+    @classmethod
+    def _check_arriving(cls, r: ParamRecord, grad: torch.Tensor) -> None:
+        """A gradient about to be folded (and its param, _check_param): dense,
+        of a gradient dtype, on the param's device, of its (local) shape. The
+        common case costs a few attribute reads; the fold checks nothing again."""
+        cls._check_param(r)
+        if grad.layout is not torch.strided:
+            raise RuntimeError(
+                f"AccumulatingOptimizer: param {r.index} got a sparse gradient; the 'hooks' intake takes dense "
+                "gradients only (intake='grad' adds sparse gradients into the dense buffer)"
+            )
+        if grad.dtype not in GRAD_DTYPES or grad.device != r.device:
+            raise RuntimeError(
+                f"AccumulatingOptimizer: a {grad.dtype} gradient on {grad.device} arrived for param {r.index} "
+                f"({r.dtype} on {r.device}); expected float32, bfloat16 or float16 on the param's device"
+            )
+        cls._check_shape(r, grad)
+
+    # ---- what the wrapper calls at fixed points of step() and the window's end ----
+
+    def meet_scaler(self, optimizer, ends_window: bool) -> None:
+        """A GradScaler may be calling ``optimizer.step()``: handle it (see each intake)."""
+        raise NotImplementedError
+
+    def report_micro_step(self, optimizer, step_found_inf) -> None:
+        """After each micro-step: tell the GradScaler what its update() should see."""
+
+    def end_window(self, optimizer) -> None:
+        """The window's last step() call, before the cross-rank part."""
+
+    def report_window(self, optimizer, found_inf: torch.Tensor) -> None:
+        """The window's global inf flag is known (after the cross-rank part)."""
+
+    def clip(self, records: list[ParamRecord], coef: torch.Tensor) -> None:
+        """Apply opt.clip_grad_norm_'s coefficient to the window."""
+        raise NotImplementedError
+
 
 class HookIntake(Intake):
     name = "hooks"
+    supports_amp_scaling = True
 
     def __init__(self, *args, **kwargs) -> None:
         self._pending: dict[int, list[tuple[ParamRecord, torch.Tensor]]] = {}  # bucket -> (record, gradient)
         self._accumulators: dict[int, object] = {}  # param index -> its AccumulateGrad node
         super().__init__(*args, **kwargs)
+        self._reduces = self.sync.reduces_buffers  # tell the sync of each bucket of the window's last micro-step
 
-    def _register(self, r: ParamRecord, hook):
+    def _register(self, r: ParamRecord):
         if r.local_of is not None:  # FSDP2 assigns the reduced shard to .grad and runs these hooks itself
-            return r.param.register_post_accumulate_grad_hook(hook)
+            return super()._register(r)
         self._markers[r.index] = (r.param, FoldedGrad(r.param, r.index))
+        r.marker = self._markers[r.index][1]  # (read by _arrive: one attribute instead of two lookups)
+        r.contiguous = r.buffer.is_contiguous()
         # A pre-hook of the param's gradient accumulator (kept alive: torch holds
         # it weakly). Autograd runs it after every tensor hook on the param,
         # whenever registered (a user's mask sees the gradient first, as in plain
         # PyTorch), and only where it accumulates into .grad: never in
-        # torch.autograd.grad().
+        # torch.autograd.grad(). It returns no gradient: nothing is added into .grad.
         with torch.enable_grad():  # (step() runs under no_grad, and unfrozen params are hooked there)
             node = r.param.view_as(r.param).grad_fn.next_functions[0][0]
         self._accumulators[r.index] = node
-        return node.register_prehook(lambda grads: hook(grads[0]))
+        return node.register_prehook(functools.partial(_take_and_drop, self._ref, r.index))
 
-    def _take(self, r: ParamRecord, arg) -> None:
-        if r.local_of is not None:
-            grad = r.local_grad()
-            if grad is None:
-                return
-        else:
-            grad = arg
+    def _arrive(self, index: int, grad: torch.Tensor) -> None:
+        """A hooked (plain) param's gradient, from its accumulator's pre-hook:
+        ``_on_grad`` and ``_take`` written out in one function, which runs for
+        every param at every micro-step. A gradient the common case does not
+        describe goes to ``_check_arriving``, which names what is wrong."""
+        if self._watch_late_init:
+            self._refuse_late_init()
+        r = self.layout.records[index]
+        arrivals = self.arrivals
+        count = arrivals.get(index, 0) + 1
+        arrivals[index] = count
+        if count > 1 and count > self.repeated[0]:
+            self.repeated = (count, index)
+        param = r.param
+        if param.grad is not r.marker:
             self._install_marker(r)
-        if grad.layout != torch.strided:
-            raise RuntimeError(
-                f"AccumulatingOptimizer: param {r.index} got a sparse gradient; the 'hooks' intake takes dense "
-                "gradients only (intake='grad' adds sparse gradients into the dense buffer)"
-            )
-        self._check_shape(r, grad)
-        if grad.stride() != r.buffer.stride() and not (grad.is_contiguous() and r.buffer.is_contiguous()):
-            # Autograd hands a gradient over in the layout its last op made
-            # (a transposed matmul's, say), before AccumulateGrad would lay it
-            # out like the param: the fold takes it laid out like the buffer.
-            grad = torch.empty_like(r.buffer, dtype=grad.dtype).copy_(grad)
+        # Autograd checked the gradient against the param (shape, dtype, device)
+        # before this hook; what is left to check is that the param is still
+        # as wrapped, and the gradient dense.
+        if param.dtype is not r.dtype or grad.layout is not torch.strided or grad.device != r.device:
+            self._check_arriving(r, grad)
+        if not (r.contiguous and grad.is_contiguous()) and grad.stride() != r.buffer.stride():
+            grad = torch.empty_like(r.buffer, dtype=grad.dtype).copy_(grad)  # see _queue
         bucket = r.bucket
-        last = self.bucket_done is not None and self.last_micro_step()
-        if last and self.bucket_done.launched(bucket):
-            raise RuntimeError(
-                "AccumulatingOptimizer: a gradient arrived for a bucket whose cross-rank reduction has already "
-                "started (a second backward in the window's last micro-step): sum the losses and call backward "
-                "once per micro-step"
-            )
-        pending = self._pending.setdefault(bucket.index, [])
+        last = self._reduces and self.last_micro_step()
+        if last and self.sync.bucket_launched(bucket):
+            self._refuse_launched()
+        pending = self._pending.get(bucket.index)
+        if pending is None:
+            pending = self._pending[bucket.index] = []
         pending.append((r, grad))
         self.window.grads_since_step = True
         if len(pending) >= bucket.expected:
             self._fold(bucket)
             if last:
-                self.bucket_done(bucket)
+                self.sync.bucket_ready(bucket)
+
+    @staticmethod
+    def _refuse_launched() -> None:
+        raise RuntimeError(
+            "AccumulatingOptimizer: a gradient arrived for a bucket whose cross-rank reduction has already "
+            "started (a second backward in the window's last micro-step): sum the losses and call backward "
+            "once per micro-step"
+        )
+
+    def _take(self, r: ParamRecord, arg) -> None:
+        """An FSDP2 param's post-accumulate-grad hook (``arg``: the param): the
+        reduced shard FSDP2 assigned to ``.grad``. (Plain params: ``_arrive``.)"""
+        grad = r.local_grad()
+        if grad is None:
+            return
+        bucket = r.bucket
+        last = self._reduces and self.last_micro_step()
+        if last and self.sync.bucket_launched(bucket):
+            self._refuse_launched()
+        pending = self._queue(r, grad)
+        self.window.grads_since_step = True
+        if len(pending) >= bucket.expected:
+            self._fold(bucket)
+            if last:
+                self.sync.bucket_ready(bucket)
+
+    def _queue(self, r: ParamRecord, grad: torch.Tensor) -> list:
+        """Check ``grad`` and queue it for ``r``'s bucket; returns the bucket's queue."""
+        self._check_arriving(r, grad)
+        if not (grad.is_contiguous() and r.buffer.is_contiguous()) and grad.stride() != r.buffer.stride():
+            # Autograd hands a gradient over in the layout its last op made
+            # (a transposed matmul's, say), before AccumulateGrad would lay it
+            # out like the param: the fold takes it laid out like the buffer.
+            grad = torch.empty_like(r.buffer, dtype=grad.dtype).copy_(grad)
+        pending = self._pending.setdefault(r.bucket.index, [])
+        pending.append((r, grad))
+        return pending
 
     def _install_marker(self, r: ParamRecord) -> None:
-        """Before autograd adds the gradient the hook just took into ``.grad``:
-        ``.grad`` becomes (or stays) the marker, which absorbs that addition. A
-        tensor found there instead was put there by other code since (a
-        pipeline schedule's manual accumulation, an assignment): it is a
-        gradient too, taken in."""
+        """``.grad`` becomes (or stays) the marker. A tensor found there instead
+        was put there by other code since (a pipeline schedule's manual
+        accumulation, an assignment): it is a gradient too, taken in."""
         marker = self._markers[r.index][1]
         existing = r.param.grad
         if existing is not marker:
             if existing is not None:
-                self._pending.setdefault(r.bucket.index, []).append((r, existing))
+                self._queue(r, existing)
             r.param.grad = marker
-        marker.expect = True
 
     def _take_late(self, r: ParamRecord) -> None:
-        self._pending.setdefault(r.bucket.index, []).append((r, r.local_grad()))
+        self._queue(r, r.local_grad())
         if r.local_of is None:
             r.param.grad = self._markers[r.index][1]
         self.window.grads_since_step = True
@@ -337,7 +447,7 @@ class HookIntake(Intake):
                     scale,
                     overwrite=overwrite,
                     found_inf=found_inf,
-                    backend=self.backend,
+                    backend=self.backend,  # Prepared: the gradients were checked as they arrived
                 )
         for r, _ in taken:
             touched.add(r.index)
@@ -372,6 +482,35 @@ class HookIntake(Intake):
             grad if grad is not None or r.local_of is not None else self._markers.get(r.index, (None, None))[1]
         )
 
+    def meet_scaler(self, optimizer, ends_window: bool) -> None:
+        """The GradScaler calls step() directly (the wrapper unscales and skips
+        itself): looked for on the call stack only when it left a sign
+        (_amp.may_be_driving), then adopted or checked (_amp.adopt)."""
+        if not _amp.may_be_driving(optimizer, self._scaler_checks):
+            return
+        self._scaler_checks = _amp.marker_checks()
+        driver = _amp.scaler_driving(optimizer)
+        if driver is not None and driver.is_enabled():
+            _amp.adopt(driver, optimizer, self.loss_scale, self, self.layout.flat.device)
+
+    def report_micro_step(self, optimizer, step_found_inf) -> None:
+        """The scaler's update() after this step() call backs off on what it is
+        told here: the micro-step's own flag on one process; across ranks,
+        nothing (every rank's scaler sees the window's global flag at its end)."""
+        scaler = self.loss_scale.scaler
+        if _amp.is_enabled(scaler):
+            flag = torch.zeros(1, device=self.layout.flat.device) if self.sync.spans_ranks else step_found_inf
+            _amp.report_found_inf(scaler, optimizer, self.layout.flat.device, flag)
+
+    def report_window(self, optimizer, found_inf: torch.Tensor) -> None:
+        scaler = self.loss_scale.scaler
+        if self.sync.spans_ranks and _amp.is_enabled(scaler):
+            _amp.report_found_inf(scaler, optimizer, self.layout.flat.device, found_inf)
+
+    def clip(self, records: list[ParamRecord], coef: torch.Tensor) -> None:
+        """By the next window step (there is no .grad to clip now)."""
+        self.window.clip_coef = coef
+
 
 class GradIntake(Intake):
     name = "grad"
@@ -403,10 +542,11 @@ class GradIntake(Intake):
         return bool(self.window.sync_intent)  # a DDP module said so; else the reduction waits for step()
 
     def _take(self, r: ParamRecord, arg=None) -> None:
+        self._check_param(r)
         grad = r.param.grad
-        reducer = self.bucket_done
-        if reducer is not None and not self._reduction_queued:
-            if reducer.started:
+        sync = self.sync
+        if sync.reduces_buffers and not self._reduction_queued:
+            if sync.started:
                 raise RuntimeError(
                     "AccumulatingOptimizer: a gradient arrived after this window's cross-rank reduction (a second "
                     "backward in the window's last micro-step): sum the losses and call backward once per micro-step"
@@ -437,7 +577,7 @@ class GradIntake(Intake):
 
     def _reduce(self) -> None:
         self._reduction_queued = False
-        self.bucket_done.reduce_now()
+        self.sync.reduce_now()
 
     def _take_late(self, r: ParamRecord) -> None:
         self._on_grad(r.index, r.param)
@@ -485,6 +625,31 @@ class GradIntake(Intake):
             if r.index in self._grad_dtypes:
                 r.param.grad_dtype = self._grad_dtypes[r.index]
             r.param.grad = grad
+
+    def meet_scaler(self, optimizer, ends_window: bool) -> None:
+        """The scaler unscales ``.grad`` (the buffers) and skips step() on inf
+        itself: it must do that once per window. Looked for on the call stack
+        only where that could be wrong (a step() that does not end the window)
+        or a scaler was given (which must be the one stepping)."""
+        if ends_window and self.loss_scale.scaler is None:
+            return
+        driver = _amp.scaler_driving(optimizer)
+        if driver is not None and driver.is_enabled():
+            _amp.refuse_unscaling_running_sum(driver, self.loss_scale, ends_window)
+
+    def end_window(self, optimizer) -> None:
+        """The inf/NaN check of the exposed buffers and, for a GradScaler that
+        did not unscale this window (step() called directly), their unscaling,
+        in one pass (_amp.check_exposed_window)."""
+        if self.check_inf:
+            buffers = [r.buffer for r in self.layout.records_of(self.window.touched)]
+            _amp.check_exposed_window(
+                optimizer, self.loss_scale.scaler, buffers, self.window.found_inf, self.layout.flat.device
+            )
+
+    def clip(self, records: list[ParamRecord], coef: torch.Tensor) -> None:
+        """``.grad`` is the buffers: clipped now, as torch's clip_grad_norm_ would."""
+        torch._foreach_mul_([r.buffer for r in records], coef)
 
     def close(self) -> None:
         super().close()

@@ -67,6 +67,8 @@ class ParamRecord:
     dtype: torch.dtype | None = None  # the param's dtype and device when wrapped (model.to() after wrapping is refused)
     device: torch.device | None = None
     master: torch.Tensor | None = None  # master weights of what this rank steps: fp32, or int16 remainders
+    marker: torch.Tensor | None = None  # intake "hooks": the FoldedGrad its .grad holds
+    contiguous: bool = True  # its buffer view is contiguous (intake "hooks" reads it per gradient)
 
     @property
     def local(self) -> torch.Tensor:
@@ -215,12 +217,25 @@ class Layout:
         for b in self.buckets:
             b.expected = sum(r.param.requires_grad for r in b.records)
 
-    def set_shards(self, shard_of_bucket) -> None:
-        """Sharded optimizer state: ``shard_of_bucket(bucket)`` gives this rank's
-        [lo, hi) of the flat buffer inside it; each record gets the part of
-        its elements that falls there."""
+    @staticmethod
+    def shard_of(bucket: Bucket, rank: int, world: int, relative: bool = False) -> tuple[int, int]:
+        """Rank ``rank``'s [lo, hi) of ``bucket`` split across ``world`` ranks:
+        in the flat buffer, or from the bucket's start (``relative``)."""
+        s = (bucket.end - bucket.start) // world
+        base = 0 if relative else bucket.start
+        return base + rank * s, base + (rank + 1) * s
+
+    def region(self, bucket: Bucket, dtype: torch.dtype) -> torch.Tensor:
+        """The bucket's memory as ``bucket.end - bucket.start`` elements of
+        ``dtype`` (fp32, or a 16-bit dtype in the first half of it)."""
+        region = self.flat[bucket.start : bucket.end]
+        return region if dtype == torch.float32 else region.view(dtype)[: bucket.end - bucket.start]
+
+    def set_shards(self, rank: int, world: int) -> None:
+        """Sharded optimizer state: each record gets the part of its elements
+        that falls in rank ``rank``'s shard of its bucket."""
         for b in self.buckets:
-            lo, hi = shard_of_bucket(b)
+            lo, hi = self.shard_of(b, rank, world)
             for r in b.records:
                 a, z = max(lo, r.offset), min(hi, r.offset + r.numel)
                 r.shard = (a - r.offset, z - r.offset) if a < z else (0, 0)

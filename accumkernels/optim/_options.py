@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .._validation import is_dense
-from . import _distributed, _fsdp, _pipeline
+from . import _ddp, _fsdp, _pipeline
 from ._intake import INTAKES
 from ._layout import collect_params
 from ._update import MASTER_WEIGHTS, STATE_DTYPES, optimizer_kind
@@ -197,6 +197,6 @@ def _fsdp_mesh(params, intake, sharded, process_group, wire_dtype):
             "an FSDP2 model needs intake='hooks' (pass accum_steps=N; clip with max_grad_norm=): "
             "FSDP2 hands each micro-step's reduced shard over in .grad"
         )
-    if _distributed.ddp_modules_holding(params):
+    if _ddp.ddp_modules_holding(params):
         raise ValueError("these params are both FSDP2-sharded and held by DistributedDataParallel: use one")
     return _fsdp.mesh_of(params)

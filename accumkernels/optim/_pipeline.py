@@ -22,9 +22,9 @@ a schedule step ends a window.
 
 from __future__ import annotations
 
-import gc
-
 import torch.distributed as dist
+
+from ._discovery import live_instances
 
 
 def stages_holding(params) -> list:
@@ -34,11 +34,7 @@ def stages_holding(params) -> list:
     except ImportError:  # torch without pipelining
         return []
     ids = {id(p) for p in params}
-    return [
-        obj
-        for obj in gc.get_objects()
-        if issubclass(type(obj), _PipelineStageBase) and any(id(p) in ids for p in obj.submod.parameters())
-    ]
+    return live_instances(_PipelineStageBase, lambda stage: any(id(p) in ids for p in stage.submod.parameters()))
 
 
 def _same_group(a, b) -> bool:
@@ -55,7 +51,7 @@ def data_parallel_group(stage):
         return None
     from torch.distributed.device_mesh import DeviceMesh
 
-    for mesh in (obj for obj in gc.get_objects() if isinstance(obj, DeviceMesh)):
+    for mesh in live_instances(DeviceMesh):
         if mesh.ndim != 2 or mesh.size() != dist.get_world_size():
             continue
         for dim in range(2):

@@ -18,11 +18,6 @@ from ._fsdp import local_tensor
 from ._layout import Layout, ParamRecord
 
 KINDS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
-_STATE_KEYS = {
-    "sgd": ("momentum_buffer",),
-    "adam": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
-    "adamw": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
-}
 
 
 MASTER_WEIGHTS = (False, True, "remainders")
@@ -67,6 +62,15 @@ def precision_of(param_dtype: torch.dtype, *, master_weights, stochastic_roundin
     return Precision(master, stochastic, state_dtype)
 
 
+def state_keys(kind: str, group: dict) -> tuple[str, ...]:
+    """The state tensors the fused step keeps per param of ``group`` (as torch.optim names them)."""
+    if kind == "sgd":
+        return ("momentum_buffer",) if group["momentum"] else ()
+    if kind in ("adam", "adamw"):
+        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
+    return ()
+
+
 def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
     """'sgd', 'adam', 'adamw' (the fused step) or 'fallback'."""
     return KINDS.get(type(optimizer), "fallback")
@@ -105,11 +109,12 @@ class Updater:
         master_weights,
         stochastic_rounding,
         state_dtype,
-        backend: str | None,
-        sync=None,
+        backend: ops.Prepared,
+        sync,
     ) -> None:
-        # sync: the window's cross-rank part (None on one process), for global
-        # norms and stochastic-rounding stream ids.
+        # backend: the ops' Prepared backend (the tensors stepped are the wrapper's
+        # own); sync: the window's cross-rank part, for global norms and
+        # stochastic-rounding stream ids.
         self.sync = sync
         self.optimizer = optimizer
         self.kind = optimizer_kind(optimizer)
@@ -133,10 +138,6 @@ class Updater:
                     view.float().clone() if r.precision.master == "fp32" else torch.zeros_like(view, dtype=torch.int16)
                 )
 
-    @property
-    def state_keys(self) -> tuple[str, ...]:
-        return _STATE_KEYS.get(self.kind, ())
-
     def init_state(self) -> None:
         """Create the state of every param this rank steps (zeros, step 0), as a
         first step would, without stepping."""
@@ -144,10 +145,7 @@ class Updater:
             for r in (self.layout.record(p) for p in group["params"]):
                 if not r.stepped_here or self.kind == "fallback":
                     continue
-                keys = [k for k in self.state_keys if k != "max_exp_avg_sq" or group.get("amsgrad")]
-                if self.kind == "sgd" and not group["momentum"]:
-                    keys = []
-                for key in keys:
+                for key in state_keys(self.kind, group):
                     self._state_like(r, key)
                 if self.kind != "sgd":
                     self.optimizer.state[r.param].setdefault("step", torch.zeros((), device=r.local.device))
@@ -164,9 +162,7 @@ class Updater:
 
     def norm(self, records: list[ParamRecord], scale) -> torch.Tensor:
         """Global L2 norm of ``scale`` times the buffers of ``records`` (over every rank)."""
-        squared = self.local_squared_norm(records)
-        if self.sync is not None:
-            squared = self.sync.squared_norm(squared)
+        squared = self.sync.squared_norm(self.local_squared_norm(records))
         return (squared.sqrt() * (scale.abs() if isinstance(scale, torch.Tensor) else abs(scale))).reshape(())
 
     # ---- the step ---------------------------------------------------------------
@@ -228,9 +224,9 @@ class Updater:
         return local
 
     def _stream_id(self, r: ParamRecord) -> int:
-        """Its index; FSDP2 ranks hold different elements of a param, so there
-        the rank is mixed in (sync.stream_id)."""
-        return r.index if self.sync is None else self.sync.stream_id(r.index)
+        """Its index; ranks that hold different elements of a param (FSDP2,
+        ZeRO-1) mix their rank in (sync.stream_id)."""
+        return self.sync.stream_id(r.index)
 
     def _common(self, group, subset, grad_scale, found_inf, seed, zero_buffers) -> dict:
         return dict(

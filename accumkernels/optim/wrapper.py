@@ -1,12 +1,15 @@
 """AccumulatingOptimizer: gradient accumulation into fp32 buffers, one fused step per window.
 
 The class holds the arguments, the ``torch.optim.Optimizer`` surface, the
-orchestration of ``step()`` and the assembly of state dicts. Each concern has
-a module of its own: ``_layout`` (the flat buffer, buckets, a record per
-param), ``_intake`` (how gradients get into the buffers), ``_window`` (what the
-window has seen, normalization), ``_amp`` (GradScaler), ``_update`` (the fused
-and fallback steps, master weights, norms), ``_checkpoint`` (loading safely),
-``_distributed`` (the reduction across ranks, DDP) and ``_fsdp`` (FSDP2 models).
+orchestration of ``step()`` and the assembly of state dicts. ``step()`` and
+the window's end are a fixed sequence of calls on three parts, whatever the
+setup: the intake (``_intake.Intake``: how gradients get into the buffers,
+GradScaler, clipping in place or at the step), the sync (``_sync.Sync``: the
+window's cross-rank part: none, buckets reduced across ranks, FSDP2) and the
+updater (``_update.Updater``: the fused and fallback steps, master weights,
+norms). The other concerns: ``_layout`` (the flat buffer, buckets, a record
+per param), ``_window`` (what the window has seen, normalization),
+``_checkpoint`` (loading safely), ``_guards`` (the mistakes refused).
 """
 
 from __future__ import annotations
@@ -16,10 +19,13 @@ from typing import Any
 
 import torch
 
-from . import _amp, _checkpoint, _distributed, _fsdp, _guards
+from .. import ops
+from . import _checkpoint, _fsdp, _guards
+from ._amp import LossScale
 from ._intake import INTAKES, make_intake
 from ._layout import Layout, param_signature
 from ._options import check_options
+from ._sync import make_sync
 from ._update import Updater, clip_coefficient
 from ._window import Window, run_seed
 
@@ -180,26 +186,23 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             unit_of=_fsdp.unit_of(params) if mesh is not None else None,
         )
         self._window = Window(normalize, self.device, run_seed(seed, self.device, self.process_group, self.world_size))
-        self._loss_scale = _amp.LossScale(grad_scaler, self.device)
-        self._sync = None  # the window's cross-rank part: None, a BucketReducer or an FSDPSync
-        if mesh is not None:
-            self._sync = _fsdp.FSDPSync(mesh, params, self._window, self._layout)
-        elif self.world_size > 1:
-            self._sync = _distributed.BucketReducer(
-                self.process_group, self._layout, self._window, self.sharded, wire_dtype, average=intake == "grad"
-            )
-            self._sync.check_layout()
-            if self.sharded:
-                self._layout.set_shards(lambda b: self._sync.shard(b.index))
-        self._ddp_watch = _distributed.DDPWatch(params, self._window) if o.initialized and mesh is None else None
+        self._loss_scale = LossScale(grad_scaler, self.device)
+        # The window's cross-rank part (accumkernels.optim._sync): none, buckets
+        # reduced across data-parallel ranks, or FSDP2's mesh.
+        self._sync = make_sync(
+            o, self._layout, self._window, sharded=self.sharded, wire_dtype=wire_dtype, average=intake == "grad"
+        )
         self._caller_checked = False  # whether the first step() call looked for a framework calling it
+        # The ops get the wrapper's own tensors, checked when it made them
+        # (gradients: as they arrive): a Prepared backend skips their checks.
+        prepared = ops.Prepared(backend)
         self._updater = Updater(
             optimizer,
             self._layout,
             master_weights=master_weights,
             stochastic_rounding=stochastic_rounding,
             state_dtype=state_dtype,
-            backend=backend,
+            backend=prepared,
             sync=self._sync,
         )
         self._updater.make_masters()
@@ -207,11 +210,11 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             intake,
             self._layout,
             self._window,
-            backend=backend,
+            backend=prepared,
             skip_nonfinite=skip_nonfinite,
             loss_scale=self._loss_scale,
             accum_steps=accum_steps,
-            bucket_done=self._sync if isinstance(self._sync, _distributed.BucketReducer) else None,
+            sync=self._sync,
         )
 
     # ---- torch.optim.Optimizer interface -----------------------------------
@@ -225,7 +228,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     def _step_supports_amp_scaling(self) -> bool:
         """GradScaler calls step() directly (no unscale_, no skip of its own)
         when the wrapper unscales and skips itself: the hooks intake."""
-        return self.intake == "hooks"
+        return self._intake.supports_amp_scaling
 
     def __repr__(self) -> str:
         return (
@@ -262,7 +265,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 tokens) this micro-batch's sum-reduced loss covers; a number or a
                 1-element tensor on the params' device.
         """
-        if _checkpoint.dcp_initializing_state():
+        # DCP steps an optimizer only to create its state, so only while it has none.
+        if not self.optimizer.state and _checkpoint.dcp_initializing_state():
             self._updater.init_state()
             return None
         if self.accum_steps is not None and not self._caller_checked:
@@ -273,26 +277,20 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if param_signature(self.optimizer) != self._signature:
-            raise RuntimeError(
-                "the wrapped optimizer's params changed after wrapping (a param group was added or "
-                "edited); add every param group before wrapping it"
-            )
-        self._refuse_several_backwards()
         window = self._window
         ends_window = self.accum_steps is None or window.micro_steps + 1 >= self.accum_steps
+        self._check_param_groups(every_param=ends_window)
+        self._refuse_several_backwards()
         window.count_items(num_items, ends_window)
-        _amp.meet_driver(
-            self, intake=self._intake, loss_scale=self._loss_scale, ends_window=ends_window, device=self.device
-        )
-        self._intake.refresh()
-        self._intake.check_grads()
-        self._intake.flush()
-        self._intake.start_micro_step()
+        intake = self._intake
+        intake.meet_scaler(self, ends_window)
+        intake.refresh()
+        intake.check_grads()
+        intake.flush()
+        intake.start_micro_step()
         step_found_inf = window.end_micro_step(self._check_inf)
         self._loss_scale.next_micro_step()
-        if self.intake == "hooks":
-            _amp.report_micro_step(self._loss_scale.scaler, self, self.device, step_found_inf, self._sync is not None)
+        intake.report_micro_step(self, step_found_inf)
         window.stepped = ends_window
         if ends_window:
             self._end_window()
@@ -344,21 +342,15 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         else pass ``max_grad_norm=``."""
         if not max_norm > 0:
             raise ValueError(f"max_norm must be > 0; got {max_norm!r}")
-        sync = self._sync
-        if sync is not None and not (self.intake == "grad" and getattr(sync, "finished", False)):
+        if not self._sync.reduced:
             raise RuntimeError(
                 "clip_grad_norm_() needs the window's global gradient, which exists only after its "
                 "cross-rank reduction: pass max_grad_norm= to the wrapper instead"
             )
         self._intake.flush()
-        # Reduced: params another rank touched hold gradient too (the others zeros).
-        records = list(self._layout) if sync is not None else self._layout.records_of(self._window.touched)
+        records = self._sync.norm_records()
         norm = self._updater.norm(records, self._window.normalization(pending=True))
-        coef = clip_coefficient(max_norm, norm)
-        if self.intake == "grad":
-            torch._foreach_mul_([r.buffer for r in records], coef)
-        else:
-            self._window.clip_coef = coef
+        self._intake.clip(records, clip_coefficient(max_norm, norm))
         return norm
 
     def close(self) -> None:
@@ -429,27 +421,35 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if count > 1:
             _guards.refuse_several_backwards(self.accum_steps, count, index)
 
+    def _check_param_groups(self, every_param: bool) -> None:
+        """The wrapped optimizer's param groups are those it was wrapped with:
+        at every step() their count and lists (add_param_group, a group's list
+        replaced or grown), before a window's step every param."""
+        groups = self.optimizer.param_groups
+        if every_param:
+            changed = param_signature(self.optimizer) != self._signature
+        else:
+            changed = len(groups) != len(self._signature) or any(
+                len(g["params"]) != len(ids) for g, ids in zip(groups, self._signature)
+            )
+        if changed:
+            raise RuntimeError(
+                "the wrapped optimizer's params changed after wrapping (a param group was added or "
+                "edited); add every param group before wrapping it"
+            )
+
     def _refuse_during_reduction(self, what: str) -> None:
-        if self._sync is not None and self._sync.started:
+        if self._sync.started:
             raise RuntimeError(
                 f"{what} between the window's last backward and step(): the buffers are being reduced "
                 "across ranks in place; call it before that backward or after step()"
             )
 
     def _end_window(self) -> None:
-        window, scaler = self._window, self._loss_scale.scaler
-        if self._ddp_watch is not None and window.windows == 0:
-            self._ddp_watch.end_first_window()
-        if self.intake == "grad" and self._check_inf:
-            buffers = [r.buffer for r in self._layout.records_of(window.touched)]
-            _amp.check_exposed_window(self, scaler, buffers, window.found_inf, self.device)
-        if self._sync is not None:
-            found_inf, items, micro_steps = self._sync.end_window(self._check_inf)  # touched: over every rank
-            if self.intake == "hooks" and _amp.is_enabled(scaler):
-                _amp.report_found_inf(scaler, self, self.device, found_inf)
-            grad_scale = window.global_normalization(items, micro_steps)
-        else:
-            found_inf, grad_scale = window.found_inf, window.normalization()
+        window = self._window
+        self._intake.end_window(self)
+        found_inf, grad_scale = self._sync.end_window(self._check_inf)  # touched: over every rank
+        self._intake.report_window(self, found_inf)
         # Params whose .grad zero_grad(set_to_none=False) kept as zeros are
         # stepped too, with a zero gradient (intake "hooks" overwrites a buffer
         # at its first gradient, so an untouched one may hold an old sum).
@@ -469,7 +469,6 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         # An LR scheduler built on the wrapped optimizer tracks its step() calls
         # (torch.optim.lr_scheduler's _opt_called), which the fused step makes none of.
         self.optimizer._opt_called = True
-        if self._sync is not None:
-            self._sync.after_step()
+        self._sync.after_step()
         window.windows += 1
         window.clear()

@@ -1,0 +1,120 @@
+"""DistributedDataParallel: taken over, not refused.
+
+Frameworks (Accelerate, HF Trainer, Lightning) wrap the model in DDP on
+several processes. DDP's reducer would all-reduce ``.grad`` on every
+micro-step that is not under ``no_sync()`` (in the params' dtype: bf16 for
+bf16 params), while the wrapper reduces its fp32 buffers once per window
+(accumkernels.optim._distributed). The wrapper takes a DDP module over: its
+forward runs with ``require_backward_grad_sync = False`` (so the reducer
+never prepares a reduction and its hooks do nothing), and the value the
+framework set (False inside ``no_sync()``, True on the micro-step that
+should sync) is kept as the window's ``sync_intent``: it tells which
+backward ends the window.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ._discovery import live_instances
+from ._window import Window
+
+
+def ddp_modules_holding(params) -> list:
+    """The DistributedDataParallel modules (anywhere in this process) that hold any of ``params``."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = {id(p) for p in params}
+    return live_instances(DistributedDataParallel, lambda ddp: any(id(p) in ids for p in ddp.module.parameters()))
+
+
+def take_over_ddp(ddp, window: Window) -> None:
+    """Silence ``ddp``'s communication and record the framework's sync intent
+    in ``window`` at every forward (idempotent)."""
+    if getattr(ddp, "_accumkernels_window", None) is not None:
+        if ddp._accumkernels_window() is not window:
+            raise RuntimeError(
+                "this DistributedDataParallel module is already taken over by another AccumulatingOptimizer"
+            )
+        return
+    if getattr(ddp, "static_graph", False) or getattr(ddp, "_use_python_reducer", False):
+        raise RuntimeError(
+            "AccumulatingOptimizer takes over DistributedDataParallel's communication, which it cannot do with "
+            "static_graph=True or the python reducer (compiled autograd): construct DDP without them"
+        )
+    forward = ddp.forward
+    window_ref = weakref.ref(window)
+
+    def forward_without_sync(*args, **kwargs):
+        intent = ddp.require_backward_grad_sync
+        ddp.require_backward_grad_sync = False
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            ddp.require_backward_grad_sync = intent
+            ddp.require_forward_param_sync = True  # buffers broadcast at the next forward, as when DDP syncs
+            owner = window_ref()
+            if owner is not None and torch.is_grad_enabled():
+                owner.sync_intent = intent
+
+    ddp.forward = forward_without_sync
+    ddp._accumkernels_window = window_ref
+
+
+class DDPWatch:
+    """Finds DDP modules over the wrapper's params: those that exist now, and
+    those a framework builds after the optimizer (Accelerate, HF Trainer), at
+    their first forward, through a global module forward pre-hook that lives
+    until the wrapper's first window ends (then one last scan)."""
+
+    def __init__(self, params, window: Window) -> None:
+        self._ids = {id(p) for p in params}
+        self._params = params
+        self._window = window
+        self._seen: set[int] = set()
+        for ddp in ddp_modules_holding(params):
+            take_over_ddp(ddp, window)
+        ref = weakref.ref(self)
+        self._handle = torch.nn.modules.module.register_module_forward_pre_hook(
+            lambda module, args: _watch_forward(ref, module)
+        )
+        weakref.finalize(self, self._handle.remove)
+
+    def check_module(self, module) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        if id(module) in self._seen or not issubclass(type(module), DistributedDataParallel):
+            return
+        self._seen.add(id(module))
+        if not any(id(p) in self._ids for p in module.module.parameters()):
+            return
+        first = getattr(module, "_accumkernels_window", None) is None
+        take_over_ddp(module, self._window)
+        if first:
+            # This call already looked up the old forward: silence it by hand and
+            # restore the framework's value after it.
+            intent = module.require_backward_grad_sync
+            module.require_backward_grad_sync = False
+            if torch.is_grad_enabled():
+                self._window.sync_intent = intent
+            handle = None
+
+            def restore(mod, args, output):
+                mod.require_backward_grad_sync = intent
+                mod.require_forward_param_sync = True
+                handle.remove()
+
+            handle = module.register_forward_hook(restore)
+
+    def end_first_window(self) -> None:
+        self._handle.remove()
+        for ddp in ddp_modules_holding(self._params):
+            take_over_ddp(ddp, self._window)
+
+
+def _watch_forward(ref, module) -> None:
+    watch = ref()
+    if watch is not None:
+        watch.check_module(module)
