@@ -1088,3 +1088,58 @@ def test_autograd_grad_does_not_feed_the_window(backend, intake):
             F.mse_loss(ours(xb), yb).backward()
             opt.step()
     assert rel_diff(ours, plain) <= PARITY
+
+
+def test_a_param_swapped_in_its_group_is_refused_before_the_window_steps():
+    """step() checks the groups' count and lengths at every call and every
+    param once a window, before anything is stepped: a param replaced in place
+    in its group's list (same length) is refused at the window's last step()."""
+    model = mlp()
+    opt = ak.AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accum_steps=2)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.randn(4, 12)).sum().backward()
+    opt.step()
+    opt.param_groups[0]["params"][0] = nn.Parameter(torch.randn_like(before[0]))
+    model(torch.randn(4, 12)).sum().backward()
+    with pytest.raises(RuntimeError, match="before wrapping"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(list(model.parameters())[1:], before[1:]))
+
+
+def test_hooks_intake_gives_autograd_no_gradient_to_add():
+    """Intake "hooks" takes each gradient in a pre-hook of the param's
+    accumulator and hands autograd none back: .grad stays the FoldedGrad marker
+    (autograd never adds into it), a post-accumulate-grad hook of the user's
+    still runs once per backward, and the window sums every gradient."""
+    from accumkernels.optim._folded import FoldedGrad
+
+    model = nn.Linear(5, 3)
+    seen = []
+    model.weight.register_post_accumulate_grad_hook(lambda p: seen.append(type(p.grad)))
+    opt = ak.AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accum_steps=3, normalize="sum")
+    xs = [torch.randn(4, 5) for _ in range(2)]
+    for x in xs:
+        model(x).sum().backward()
+        opt.step()
+    marker = model.weight.grad
+    assert isinstance(marker, FoldedGrad) and seen == [FoldedGrad, FoldedGrad]
+    expected = sum(torch.ones(4, 3).T @ x for x in xs)
+    torch.testing.assert_close(opt.accumulated_grad(model.weight), expected, rtol=0, atol=1e-5)
+    assert model.weight.grad is marker
+
+
+def test_prepared_backend_checks_the_numbers_not_the_tensors():
+    """ops.Prepared (the wrapper's backend for its own tensors) skips the
+    tensor checks of the public ops, never the numbers: a bad hyperparameter is
+    refused as by the public call, before anything is written."""
+    from accumkernels import ops
+
+    p, b = torch.zeros(4), torch.ones(4)
+    m, v, s = torch.zeros(4), torch.zeros(4), torch.zeros(())
+    with pytest.raises(ValueError, match="lr"):
+        ops.adamw_step_and_zero_([p], [b], [m], [v], [s], lr=-1.0, backend=ops.Prepared(None))
+    with pytest.raises(ValueError, match="betas"):
+        ops.adamw_step_and_zero_([p], [b], [m], [v], [s], lr=1e-3, betas=(1.0, 0.9), backend=ops.Prepared(None))
+    assert torch.equal(b, torch.ones(4)) and torch.equal(s, torch.zeros(()))
+    ops.adamw_step_and_zero_([p], [b], [m], [v], [s], lr=1e-3, backend=ops.Prepared(None))
+    assert float(s) == 1.0 and torch.equal(b, torch.zeros(4))

@@ -98,7 +98,10 @@ class Intake:
     gradients after wrapping."""
 
     name = ""  # for messages only: the wrapper never branches on it
-    zero_buffers_at_step = False  # the step clears the buffers (they are .grad)
+    # The buffers are .grad: the step clears them, and a reduction across ranks
+    # must leave them averaged over the ranks (as DDP's .grad is).
+    exposes_buffers = False
+    zero_buffers_at_step = False
     supports_amp_scaling = False  # a GradScaler calls step() directly, leaving unscaling and skipping to us
 
     def __init__(
@@ -514,6 +517,7 @@ class HookIntake(Intake):
 
 class GradIntake(Intake):
     name = "grad"
+    exposes_buffers = True
     zero_buffers_at_step = True
 
     def __init__(self, *args, **kwargs) -> None:
@@ -668,5 +672,8 @@ def _copy_into(buffer: torch.Tensor, grad: torch.Tensor) -> None:
         buffer.zero_().add_(grad)
 
 
+INTAKE_CLASSES = {"hooks": HookIntake, "grad": GradIntake}
+
+
 def make_intake(name: str, *args, **kwargs) -> Intake:
-    return {"hooks": HookIntake, "grad": GradIntake}[name](*args, **kwargs)
+    return INTAKE_CLASSES[name](*args, **kwargs)
