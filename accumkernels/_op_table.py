@@ -22,7 +22,17 @@ class Op(NamedTuple):
     returns: str | None  # None: nothing; "scalar": a 0-dim fp32 tensor on the arguments' device
 
 
-_ADAM_MUTATES = ("params", "buffers", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "state_steps", "master_params")
+_ADAM_MUTATES = (
+    "params",
+    "buffers",
+    "exp_avgs",
+    "exp_avg_sqs",
+    "max_exp_avg_sqs",
+    "state_steps",
+    "master_params",
+    "exp_avg_scales",  # 8-bit state (accumkernels._state8): the block scales of the uint8 codes
+    "exp_avg_sq_scales",
+)
 
 OPS: dict[str, Op] = {
     "accumulate_": Op(("buffers", "found_inf"), None),

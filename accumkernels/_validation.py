@@ -16,7 +16,11 @@ import torch
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PARAM_DTYPES = GRAD_DTYPES
 F32 = (torch.float32,)
-STATE_DTYPES = (torch.float32, torch.bfloat16)  # optimizer state (bf16: rounded stochastically)
+STATE_DTYPES = (
+    torch.float32,
+    torch.bfloat16,
+    torch.uint8,
+)  # optimizer state (bf16: rounded stochastically; uint8: 8-bit codes)
 MASTER_DTYPES = (torch.float32, torch.int16)  # fp32 master weights, or int16 remainders of bf16 params
 
 

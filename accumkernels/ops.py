@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from . import _validation as checks
+from ._state8 import scales_numel
 from .backends import resolve
 
 Tensors = Sequence[torch.Tensor]
@@ -297,6 +298,8 @@ def sgd_step_and_zero_(
         pass
     elif momentum != 0:
         _check_state(op, momentum_buffers, "momentum_buffers", params, checks.first_dtype(momentum_buffers))
+        if checks.first_dtype(momentum_buffers) == torch.uint8:
+            raise TypeError(f"{op}: momentum_buffers are uint8; 8-bit state is for Adam and AdamW so far")
     else:
         checks.check_length(op, momentum_buffers, "momentum_buffers", 0, "momentum is 0: pass None")
     if not params:
@@ -347,7 +350,12 @@ _ADAM_DOC = """One torch.optim.{cls} step from fp32 gradient buffers, then clear
         buffers: the fp32 gradient sums, one per param, laid out like it.
         exp_avgs, exp_avg_sqs: the state (``m``, ``v``), one per param; all
             state tensors of a call fp32, or all bf16 (rounded stochastically,
-            as sgd_step_and_zero_ describes).
+            as sgd_step_and_zero_ describes), or all uint8: 8-bit codes with
+            block scales (accumkernels._state8 states the format; encoded
+            stochastically with the bits of the bf16 state's rounding slots),
+            then with ``exp_avg_scales`` and ``exp_avg_sq_scales``, one fp32
+            tensor of ceil(numel / 256) elements per param. 8-bit state: the
+            reference backend only so far, not with amsgrad.
         state_steps: 1-element fp32 step counts on the params' device, one per
             param (torch.optim's ``state['step']``).
         max_exp_avg_sqs: the state ``v_max``; required iff amsgrad.
@@ -363,12 +371,29 @@ _ADAM_DOC = """One torch.optim.{cls} step from fp32 gradient buffers, then clear
     """
 
 
-def _check_adam_tensors(op, args, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, amsgrad) -> None:
-    """The state and step-count tensors of an Adam-family call."""
+def _check_adam_tensors(
+    op, args, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, amsgrad, exp_avg_scales, exp_avg_sq_scales
+) -> None:
+    """The state, scales and step-count tensors of an Adam-family call."""
     params = args["params"]
     state_dtype = checks.first_dtype(exp_avgs)
     _check_state(op, exp_avgs, "exp_avgs", params, state_dtype)
     _check_state(op, exp_avg_sqs, "exp_avg_sqs", params, state_dtype)
+    if state_dtype == torch.uint8:
+        if amsgrad:
+            raise ValueError(f"{op}: amsgrad with 8-bit state (uint8 exp_avgs) is not supported")
+        for name, scales in (("exp_avg_scales", exp_avg_scales), ("exp_avg_sq_scales", exp_avg_sq_scales)):
+            checks.check_length(op, scales, name, len(params), "8-bit state: one scale tensor per param")
+            for i, (sc, p) in enumerate(zip(scales, params)):
+                checks.check_tensor(op, sc, name, i, p.device, checks.F32)
+                if sc.numel() != scales_numel(p.numel()):
+                    raise ValueError(
+                        f"{op}: {name}[{i}] has {sc.numel()} elements; expected {scales_numel(p.numel())} (one "
+                        f"per block of 256 of params[{i}]'s {p.numel()})"
+                    )
+    else:
+        checks.check_length(op, exp_avg_scales, "exp_avg_scales", 0, "the state is not 8-bit: pass None")
+        checks.check_length(op, exp_avg_sq_scales, "exp_avg_sq_scales", 0, "the state is not 8-bit: pass None")
     if amsgrad:
         _check_state(op, max_exp_avg_sqs, "max_exp_avg_sqs", params, state_dtype)
     else:
@@ -388,6 +413,8 @@ def _check_adam_tensors(op, args, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_
             "max_exp_avg_sqs": max_exp_avg_sqs,
             "state_steps": state_steps,
             "master_params": args["master_params"],
+            "exp_avg_scales": exp_avg_scales,
+            "exp_avg_sq_scales": exp_avg_sq_scales,
         },
         _scalar_tensors(args),
     )
@@ -405,6 +432,8 @@ def _adam_family(name: str, adamw: bool, default_weight_decay: float, decay: str
         state_steps: Tensors,
         *,
         max_exp_avg_sqs: Tensors | None = None,
+        exp_avg_scales: Tensors | None = None,
+        exp_avg_sq_scales: Tensors | None = None,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
@@ -424,11 +453,14 @@ def _adam_family(name: str, adamw: bool, default_weight_decay: float, decay: str
         if trusted:
             exp_avgs, exp_avg_sqs, state_steps = list(exp_avgs), list(exp_avg_sqs), list(state_steps)
             max_exp_avg_sqs = list(max_exp_avg_sqs or ())
+            exp_avg_scales, exp_avg_sq_scales = list(exp_avg_scales or ()), list(exp_avg_sq_scales or ())
         else:
             exp_avgs = checks.as_tensor_list(op, exp_avgs, "exp_avgs")
             exp_avg_sqs = checks.as_tensor_list(op, exp_avg_sqs, "exp_avg_sqs")
             state_steps = checks.as_tensor_list(op, state_steps, "state_steps")
             max_exp_avg_sqs = checks.as_tensor_list(op, max_exp_avg_sqs, "max_exp_avg_sqs", optional=True)
+            exp_avg_scales = checks.as_tensor_list(op, exp_avg_scales, "exp_avg_scales", optional=True)
+            exp_avg_sq_scales = checks.as_tensor_list(op, exp_avg_sq_scales, "exp_avg_sq_scales", optional=True)
         lr = checks.check_number(op, lr, "lr", low=0.0)
         if not isinstance(betas, Sequence) or len(betas) != 2:
             raise TypeError(f"{op}: betas must be a pair (beta1, beta2); got {betas!r}")
@@ -454,12 +486,24 @@ def _adam_family(name: str, adamw: bool, default_weight_decay: float, decay: str
         if not params:
             return
         if not trusted:
-            _check_adam_tensors(op, args, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, amsgrad)
+            _check_adam_tensors(
+                op,
+                args,
+                exp_avgs,
+                exp_avg_sqs,
+                max_exp_avg_sqs,
+                state_steps,
+                amsgrad,
+                exp_avg_scales,
+                exp_avg_sq_scales,
+            )
         getattr(_backend(backend, params[0].device), name)(
             **args,
             exp_avgs=exp_avgs,
             exp_avg_sqs=exp_avg_sqs,
             max_exp_avg_sqs=max_exp_avg_sqs,
+            exp_avg_scales=exp_avg_scales,
+            exp_avg_sq_scales=exp_avg_sq_scales,
             state_steps=state_steps,
             lr=lr,
             beta1=beta1,

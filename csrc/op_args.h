@@ -129,13 +129,20 @@ void sgd_entry(at::TensorList params, at::TensorList buffers, at::TensorList mom
 template <bool kAdamW, void (*Run)(const AdamArgs&)>
 void adam_entry(at::TensorList params, at::TensorList buffers, at::TensorList exp_avgs,
                 at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
-                at::TensorList state_steps, at::TensorList master_params, double lr,
+                at::TensorList state_steps, at::TensorList master_params,
+                at::TensorList exp_avg_scales, at::TensorList exp_avg_sq_scales, double lr,
                 double beta1, double beta2, double eps, double weight_decay, bool amsgrad,
                 double grad_scale, const std::optional<at::Tensor>& grad_scale_tensor,
                 const std::optional<at::Tensor>& found_inf, bool zero_buffers,
                 bool stochastic_rounding, int64_t seed, c10::ArrayRef<int64_t> positions) {
+  const char* op = kAdamW ? "accumkernels::adamw_step_and_zero_" : "accumkernels::adam_step_and_zero_";
+  // 8-bit state (uint8 codes with block scales, accumkernels/_state8.py) runs
+  // on the reference backend only so far.
+  TORCH_CHECK(exp_avg_scales.empty() && exp_avg_sq_scales.empty(), op,
+              ": 8-bit optimizer state (exp_avg_scales, exp_avg_sq_scales) is not implemented in the "
+              "native kernels yet; use backend='reference'");
   check_adam_arguments(
-      kAdamW ? "accumkernels::adamw_step_and_zero_" : "accumkernels::adam_step_and_zero_", params,
+      op, params,
       buffers, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, amsgrad,
       stochastic_rounding, positions, grad_scale_tensor, found_inf);
   if (params.empty()) return;

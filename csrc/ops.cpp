@@ -9,7 +9,8 @@
 #define ADAM_ARGUMENTS                                                                     \
   "(Tensor(a!)[] params, Tensor(b!)[] buffers, Tensor(c!)[] exp_avgs, "                    \
   "Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] max_exp_avg_sqs, Tensor(f!)[] state_steps, "      \
-  "Tensor(g!)[] master_params, float lr, float beta1, float beta2, float eps, "             \
+  "Tensor(g!)[] master_params, Tensor(h!)[] exp_avg_scales, Tensor(i!)[] exp_avg_sq_scales, " \
+  "float lr, float beta1, float beta2, float eps, "                                         \
   "float weight_decay, bool amsgrad, float grad_scale, Tensor? grad_scale_tensor, "         \
   "Tensor? found_inf, bool zero_buffers, bool stochastic_rounding, int seed, "              \
   "int[] positions) -> ()"

@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NUMERIC_MODULES = [
     "tests/test_accumulate.py",
     "tests/test_steps.py",
+    "tests/test_state8.py",
     "tests/test_grad_norm.py",
     "tests/test_optimizer.py",
     "tests/test_optimizers.py",

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import _state8 as state8
+
 
 def supports(device: torch.device) -> bool:
     return True
@@ -166,6 +168,17 @@ def _store_state(state, new, skip, seed: int, stream: int, slot: int) -> None:
     _commit(state, new, skip)
 
 
+def _store_8bit(codes, scales, new, encode, skip, seed: int, stream: int, slot: int) -> None:
+    """8-bit state: ``new`` encoded (accumkernels._state8), rounded
+    stochastically with the bits of rounding slot ``slot``, in the codes'
+    memory order (as a bf16 state tensor of that slot would be)."""
+    index = torch.arange(codes.numel(), device=codes.device, dtype=torch.int64)
+    random = sr_random(sr_slot_seed(seed, slot), stream, index) >> sr_slot_shift(slot)
+    new_codes, new_scales = encode(new.float(), codes, random)
+    _commit(codes, new_codes, skip)
+    _commit(scales, new_scales, skip)
+
+
 def _lerp(start, end, weight: float):
     """formulas.h's lerp: torch.lerp's two forms, chosen by the weight, without
     the fused multiply-add of torch's vectorized CPU loop (the kernels round twice)."""
@@ -235,6 +248,8 @@ def _adam(
     max_exp_avg_sqs,
     state_steps,
     master_params,
+    exp_avg_scales,
+    exp_avg_sq_scales,
     lr,
     beta1,
     beta2,
@@ -266,16 +281,26 @@ def _adam(
         step_size = (lr / (1.0 - beta1**t)).float()
         bias_correction2_sqrt = torch.sqrt(1.0 - beta2**t).float()
         stream = _stream(positions, i)
-        new_m = _lerp(m.float(), g, 1.0 - beta1)
-        new_v = beta2 * v.float() + (1.0 - beta2) * (g * g)
+        eight_bit = m.dtype == torch.uint8
+        if eight_bit:  # accumkernels._state8: codes and block scales
+            m_old = state8.decode_exp_avg(m, exp_avg_scales[i])
+            v_old = state8.decode_exp_avg_sq(v, exp_avg_sq_scales[i])
+        else:
+            m_old, v_old = m.float(), v.float()
+        new_m = _lerp(m_old, g, 1.0 - beta1)
+        new_v = beta2 * v_old + (1.0 - beta2) * (g * g)
         v_hat = new_v
         if amsgrad:
             v_hat = torch.maximum(max_exp_avg_sqs[i].float(), new_v)
             _store_state(max_exp_avg_sqs[i], v_hat, skip, seed, stream, 3)
         denom = torch.sqrt(v_hat) / bias_correction2_sqrt + eps
         new_p = p - step_size * (new_m / denom)
-        _store_state(m, new_m, skip, seed, stream, 1)
-        _store_state(v, new_v, skip, seed, stream, 2)
+        if eight_bit:
+            _store_8bit(m, exp_avg_scales[i], new_m, state8.encode_exp_avg, skip, seed, stream, 1)
+            _store_8bit(v, exp_avg_sq_scales[i], new_v, state8.encode_exp_avg_sq, skip, seed, stream, 2)
+        else:
+            _store_state(m, new_m, skip, seed, stream, 1)
+            _store_state(v, new_v, skip, seed, stream, 2)
         _commit(step, new_step, skip)
         _store_weights(param, master, new_p, skip, _stochastic(stochastic_rounding, seed, positions, i))
     _zero(buffers, zero_buffers)

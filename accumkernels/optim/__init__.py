@@ -25,8 +25,9 @@ concern:
 Imports go one way: ``optimizers`` -> ``wrapper`` -> its parts -> ``accumkernels.ops`` -> backends.
 """
 
+from ._checkpoint import dequantized_state_dict
 from ._memory import static_bytes
 from .optimizers import SGD, Adam, AdamW
 from .wrapper import AccumulatingOptimizer
 
-__all__ = ["AccumulatingOptimizer", "Adam", "AdamW", "SGD", "static_bytes"]
+__all__ = ["AccumulatingOptimizer", "Adam", "AdamW", "SGD", "dequantized_state_dict", "static_bytes"]

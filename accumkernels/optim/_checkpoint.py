@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .._state8 import scales_numel
 from ._discovery import calling_frame
 
 
@@ -54,6 +55,9 @@ def check_loadable(wrapper, state_dict: dict, extra: dict | None) -> None:
             # A DTensor (FSDP2 state) is checked against the whole param, a plain
             # tensor against what this rank steps.
             like = r.param if hasattr(value, "device_mesh") else r.param_view()
+            if key.endswith(("_codes", "_scales")):  # 8-bit state (accumkernels._state8)
+                _check_8bit_entry(key, value, like, r.index)
+                continue
             if key == "step" or value.numel() == 1 and like.numel() != 1:
                 if value.numel() != 1:
                     raise ValueError(
@@ -106,14 +110,35 @@ def check_loadable(wrapper, state_dict: dict, extra: dict | None) -> None:
             )
 
 
+def _check_8bit_entry(key: str, value: torch.Tensor, like: torch.Tensor, index: int) -> None:
+    if key.endswith("_codes"):
+        if value.dtype != torch.uint8 or tuple(value.shape) != tuple(like.shape):
+            raise ValueError(
+                f"checkpoint's {key!r} of param {index} is {value.dtype} of shape {tuple(value.shape)}; expected "
+                f"uint8 codes of shape {tuple(like.shape)}"
+            )
+    elif value.dtype != torch.float32 or value.numel() != scales_numel(like.numel()):
+        raise ValueError(
+            f"checkpoint's {key!r} of param {index} is {value.dtype} with {value.numel()} elements; expected "
+            f"{scales_numel(like.numel())} fp32 block scales"
+        )
+
+
 def load_state_in_its_dtype(wrapper, state_dict: dict) -> None:
     """The plain optimizer casts loaded state to the param dtype (bf16 for bf16
     params): take the checkpoint's own values instead, in each param's state
-    dtype (exact where the checkpoint was saved in it)."""
+    dtype (exact where the checkpoint was saved in it). 8-bit codes and scales
+    are taken as they are; a state of another kind than the wrapper's is
+    converted at its first step (accumkernels.optim._update)."""
     for saved_id, r in _params_in_saved_order(wrapper, state_dict):
         for key, value in state_dict["state"].get(saved_id, {}).items():
-            if torch.is_tensor(value) and key != "step" and value.is_floating_point():
+            if not torch.is_tensor(value) or key == "step":
+                continue
+            if key.endswith(("_codes", "_scales")):
+                wrapper.state[r.param][key] = value.to(device=r.local.device, copy=True)
+            elif value.is_floating_point():
                 dtype = r.precision.state_dtype
+                dtype = torch.float32 if dtype == "8bit" else dtype
                 wrapper.state[r.param][key] = value.to(device=r.local.device, dtype=dtype, copy=True)
 
 
@@ -183,3 +208,27 @@ def load(wrapper, state_dict: dict) -> None:
             r.master.zero_()  # a bf16 param is an fp32 value with zero low bits
         else:
             r.master.copy_(r.param_view())
+
+
+# ---- 8-bit state ------------------------------------------------------------------
+
+
+def dequantized_state_dict(state_dict: dict) -> dict:
+    """A copy of ``state_dict`` (of an AccumulatingOptimizer or optimizer with
+    ``state_dtype="8bit"``) with each 8-bit state (``<key>_codes`` and
+    ``<key>_scales``, accumkernels._state8) replaced by its fp32 values under
+    ``<key>``: what ``torch.optim.AdamW.load_state_dict`` takes. (The other way
+    needs no call: an 8-bit optimizer loads a plain checkpoint and encodes its
+    state, to nearest, at its first step.)"""
+    from .._state8 import decode_exp_avg, decode_exp_avg_sq
+
+    decoders = {"exp_avg": decode_exp_avg, "exp_avg_sq": decode_exp_avg_sq}
+    out = {k: v for k, v in state_dict.items() if k != "state"}
+    out["state"] = {}
+    for index, entries in state_dict["state"].items():
+        entries = dict(entries)
+        for key, decode in decoders.items():
+            if key + "_codes" in entries:
+                entries[key] = decode(entries.pop(key + "_codes"), entries.pop(key + "_scales"))
+        out["state"][index] = entries
+    return out

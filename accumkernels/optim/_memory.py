@@ -42,7 +42,7 @@ def static_bytes(optimizer: torch.optim.Optimizer, **wrapper_options) -> dict[st
         tensors = len(state_keys(kind, group))
         if kind != "sgd":
             state += 4 * len(group["params"])  # the step counts
-        state += sum(tensors * precision[id(p)].state_bytes() * stepped[id(p)] for p in group["params"])
+        state += sum(tensors * precision[id(p)].state_bytes(stepped[id(p)]) for p in group["params"])
     return {
         "params": sum(p.numel() * p.element_size() for p in params),
         "fp32 buffers": layout.flat.numel() * 4,

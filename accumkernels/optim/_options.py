@@ -59,6 +59,7 @@ def check_options(
     process_group,
     sharded,
     wire_dtype,
+    backend=None,
 ) -> Options:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
@@ -88,7 +89,7 @@ def check_options(
             f"got {stochastic_rounding!r}"
         )
     if state_dtype not in STATE_DTYPES:
-        raise ValueError(f"state_dtype must be None, torch.float32 or torch.bfloat16; got {state_dtype!r}")
+        raise ValueError(f"state_dtype must be None, torch.float32, torch.bfloat16 or '8bit'; got {state_dtype!r}")
     for flag, name in (
         (master_weights, "master_weights"),
         (stochastic_rounding, "stochastic_rounding=True"),
@@ -97,6 +98,8 @@ def check_options(
     ):
         if flag and optimizer_kind(optimizer) == "fallback":
             raise ValueError(f"{name} needs SGD, Adam or AdamW (the fused step); got {type(optimizer).__name__}")
+    if state_dtype == "8bit":
+        _check_8bit_state(optimizer, backend)
     if master_weights and stochastic_rounding:
         raise ValueError("master_weights and stochastic_rounding=True exclude each other: choose one")
     initialized = dist.is_available() and dist.is_initialized()
@@ -144,7 +147,7 @@ def check_options(
                 f"master_weights='remainders' holds the low 16 bits of bf16 params' fp32 masters; params "
                 f"{fp16[:5]} are float16: use master_weights=True (fp32 copies)"
             )
-    mesh = _fsdp_mesh(params, intake, sharded, process_group, wire_dtype)
+    mesh = _fsdp_mesh(params, intake, sharded, process_group, wire_dtype, state_dtype)
     devices = {p.device for p in params}
     if len(devices) > 1:
         raise ValueError(f"params on several devices ({sorted(map(str, devices))}) are not supported yet")
@@ -158,6 +161,21 @@ def check_options(
 
 
 _NO_REPLICAS = object()  # a pipeline stage no other rank holds: nothing to reduce
+
+
+def _check_8bit_state(optimizer, backend) -> None:
+    """state_dtype='8bit' (accumkernels._state8): Adam or AdamW without
+    amsgrad, on the reference backend (the only one with its kernels so far)."""
+    kind = optimizer_kind(optimizer)
+    if kind not in ("adam", "adamw"):
+        raise ValueError(f"state_dtype='8bit' is for Adam and AdamW so far; got {type(optimizer).__name__}")
+    if any(group.get("amsgrad") for group in optimizer.param_groups):
+        raise ValueError("state_dtype='8bit' does not support amsgrad=True (its max_exp_avg_sq would need a code too)")
+    if backend != "reference":
+        raise ValueError(
+            "state_dtype='8bit' runs on backend='reference' only so far (pure PyTorch; the CPU, CUDA and Triton "
+            f"kernels for it are not written yet); got backend={backend!r}: pass backend='reference'"
+        )
 
 
 def _data_parallel_group(params, process_group, initialized):
@@ -183,7 +201,7 @@ def _data_parallel_group(params, process_group, initialized):
     return _NO_REPLICAS if group is None else group
 
 
-def _fsdp_mesh(params, intake, sharded, process_group, wire_dtype):
+def _fsdp_mesh(params, intake, sharded, process_group, wire_dtype, state_dtype):
     """The FSDP2 mesh of DTensor params, or None for plain params."""
     if not params or not _fsdp.is_sharded(params):
         return None
@@ -192,6 +210,8 @@ def _fsdp_mesh(params, intake, sharded, process_group, wire_dtype):
             "sharded=, process_group= and wire_dtype= are for plain params: FSDP2 shards and reduces "
             "the gradients of its DTensor params itself"
         )
+    if state_dtype == "8bit":
+        raise ValueError("state_dtype='8bit' does not support FSDP2 models yet (its block scales are not DTensors)")
     if intake == "grad":
         raise ValueError(
             "an FSDP2 model needs intake='hooks' (pass accum_steps=N; clip with max_grad_norm=): "

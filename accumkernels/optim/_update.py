@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import _state8 as state8
 from .. import ops
 from .._validation import is_dense
 from ._fsdp import local_tensor
@@ -21,7 +22,7 @@ KINDS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "a
 
 
 MASTER_WEIGHTS = (False, True, "remainders")
-STATE_DTYPES = (None, torch.float32, torch.bfloat16)
+STATE_DTYPES = (None, torch.float32, torch.bfloat16, "8bit")
 
 
 @dataclass(frozen=True)
@@ -33,15 +34,19 @@ class Precision:
                  the bf16 param holds (2 bytes: param and remainder are the
                  fp32 master bit for bit)
     stochastic   round the updated bf16 param stochastically (unbiased)
-    state_dtype  of its optimizer state (bf16: rounded stochastically)
+    state_dtype  of its optimizer state (bf16: rounded stochastically; "8bit":
+                 uint8 codes and block scales, accumkernels._state8)
     """
 
     master: str | None
     stochastic: bool
-    state_dtype: torch.dtype
+    state_dtype: torch.dtype | str
 
-    def state_bytes(self) -> int:
-        return torch.finfo(self.state_dtype).bits // 8
+    def state_bytes(self, numel: int) -> int:
+        """The bytes of one state tensor of ``numel`` elements."""
+        if self.state_dtype == "8bit":
+            return numel + 4 * state8.scales_numel(numel)
+        return numel * (torch.finfo(self.state_dtype).bits // 8)
 
     def master_bytes(self) -> int:
         return {None: 0, "fp32": 4, "remainders": 2}[self.master]
@@ -63,12 +68,19 @@ def precision_of(param_dtype: torch.dtype, *, master_weights, stochastic_roundin
 
 
 def state_keys(kind: str, group: dict) -> tuple[str, ...]:
-    """The state tensors the fused step keeps per param of ``group`` (as torch.optim names them)."""
+    """The state tensors the fused step keeps per param of ``group`` (as torch.optim names them;
+    8-bit state keeps each as ``<key>_codes`` and ``<key>_scales``)."""
     if kind == "sgd":
         return ("momentum_buffer",) if group["momentum"] else ()
     if kind in ("adam", "adamw"):
         return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
     return ()
+
+
+def _decode(key: str, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The fp32 values of 8-bit state ``key`` (exp_avg or exp_avg_sq)."""
+    decode = state8.decode_exp_avg if key == "exp_avg" else state8.decode_exp_avg_sq
+    return decode(codes, scales)
 
 
 def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
@@ -146,7 +158,10 @@ class Updater:
                 if not r.stepped_here or self.kind == "fallback":
                     continue
                 for key in state_keys(self.kind, group):
-                    self._state_like(r, key)
+                    if r.precision.state_dtype == "8bit":
+                        self._codes_like(r, key)
+                    else:
+                        self._state_like(r, key)
                 if self.kind != "sgd":
                     self.optimizer.state[r.param].setdefault("step", torch.zeros((), device=r.local.device))
 
@@ -202,6 +217,8 @@ class Updater:
         like = r.buffer_view()
         dtype = r.precision.state_dtype
         state = self.optimizer.state[r.param]
+        if key not in state and key + "_codes" in state:  # an 8-bit checkpoint: decoded
+            state[key] = _decode(key, state.pop(key + "_codes"), state.pop(key + "_scales"))
         value = state.get(key)
         local = value if value is None or r.local_of is None else local_tensor(value)
         if local is None or local.dtype != dtype or local.device != like.device or local.stride() != like.stride():
@@ -222,6 +239,40 @@ class Updater:
                 )
             state[key] = value
         return local
+
+    def _codes_like(self, r: ParamRecord, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The 8-bit state ``key`` of ``r``: (uint8 codes laid out like what is
+        stepped, fp32 block scales), kept as ``<key>_codes`` and
+        ``<key>_scales``; created as zeros, or encoded (to nearest) from the
+        fp32 or bf16 ``key`` of a plain checkpoint, or re-encoded from codes
+        laid out otherwise (the blocks follow the memory order)."""
+        like = r.buffer_view()
+        state = self.optimizer.state[r.param]
+        codes, scales = state.get(key + "_codes"), state.get(key + "_scales")
+        fits = (
+            codes is not None
+            and codes.dtype == torch.uint8
+            and codes.device == like.device
+            and codes.shape == like.shape
+            and codes.stride() == like.stride()
+            and scales is not None
+            and scales.dtype == torch.float32
+            and scales.device == like.device
+            and scales.numel() == state8.scales_numel(like.numel())
+        )
+        if fits:
+            return codes, scales
+        plain = state.pop(key, None)
+        if codes is not None and scales is not None:
+            plain = _decode(key, codes, scales)
+        if plain is None:
+            codes = torch.zeros_like(like, dtype=torch.uint8, memory_format=torch.preserve_format)
+            scales = torch.zeros(state8.scales_numel(like.numel()), dtype=torch.float32, device=like.device)
+        else:
+            encode = state8.encode_exp_avg if key == "exp_avg" else state8.encode_exp_avg_sq
+            codes, scales = encode(plain.float().to(like.device).reshape(like.shape), like, None)
+        state[key + "_codes"], state[key + "_scales"] = codes, scales
+        return codes, scales
 
     def _stream_id(self, r: ParamRecord) -> int:
         """Its index; ranks that hold different elements of a param (FSDP2,
@@ -285,12 +336,22 @@ class Updater:
         fn = ops.adamw_step_and_zero_ if adamw else ops.adam_step_and_zero_
         views = [r.param_view() for r in subset]
         stepped = _dense(views)
+        scales = {}
+        if subset[0].precision.state_dtype == "8bit":
+            m = [self._codes_like(r, "exp_avg") for r in subset]
+            v = [self._codes_like(r, "exp_avg_sq") for r in subset]
+            exp_avgs, exp_avg_sqs = [c for c, _ in m], [c for c, _ in v]
+            scales = dict(exp_avg_scales=[s for _, s in m], exp_avg_sq_scales=[s for _, s in v])
+        else:
+            exp_avgs = [self._state_like(r, "exp_avg") for r in subset]
+            exp_avg_sqs = [self._state_like(r, "exp_avg_sq") for r in subset]
         fn(
             stepped,
             [r.buffer_view() for r in subset],
-            [self._state_like(r, "exp_avg") for r in subset],
-            [self._state_like(r, "exp_avg_sq") for r in subset],
+            exp_avgs,
+            exp_avg_sqs,
             steps,
+            **scales,
             max_exp_avg_sqs=[self._state_like(r, "max_exp_avg_sq") for r in subset] if amsgrad else None,
             lr=_number(group["lr"]),
             betas=tuple(_number(b) for b in group["betas"]),

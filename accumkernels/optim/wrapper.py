@@ -22,7 +22,7 @@ import torch
 from .. import ops
 from . import _checkpoint, _fsdp, _guards
 from ._amp import LossScale
-from ._intake import INTAKES, make_intake
+from ._intake import INTAKE_CLASSES, INTAKES, make_intake
 from ._layout import Layout, param_signature
 from ._options import check_options
 from ._sync import make_sync
@@ -76,9 +76,14 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             (unbiased; no extra memory). Default (None): on for bf16 params
             without master weights; ``False``: round to nearest even.
         state_dtype: the dtype of the optimizer state (momentum, Adam's
-            moments): ``torch.float32`` or ``torch.bfloat16`` (rounded
-            stochastically). Default (None): bf16 for bf16 params without
-            master weights, else fp32.
+            moments): ``torch.float32``, ``torch.bfloat16`` (rounded
+            stochastically) or ``"8bit"`` (Adam and AdamW: uint8 codes with a
+            scale per block of 256, encoded stochastically; the format is
+            accumkernels._state8's; backend='reference' only so far; its
+            state_dict holds the codes and scales, and
+            ``accumkernels.optim.dequantized_state_dict`` turns it into one
+            torch.optim.AdamW loads). Default (None): bf16 for bf16 params
+            without master weights, else fp32.
         seed: the stochastic-rounding seed of the run (default: drawn from torch's
             generator); saved in ``state_dict()``.
         grad_scaler: the ``torch.amp.GradScaler`` scaling the loss, if any (one
@@ -135,6 +140,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             process_group=process_group,
             sharded=sharded,
             wire_dtype=wire_dtype,
+            backend=backend,
         )
         accum_steps, intake, params, mesh = o.accum_steps, o.intake, o.params, o.mesh
         # What a copy (copy.deepcopy, pickle) is rebuilt from: see __getstate__.
@@ -190,7 +196,12 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         # The window's cross-rank part (accumkernels.optim._sync): none, buckets
         # reduced across data-parallel ranks, or FSDP2's mesh.
         self._sync = make_sync(
-            o, self._layout, self._window, sharded=self.sharded, wire_dtype=wire_dtype, average=intake == "grad"
+            o,
+            self._layout,
+            self._window,
+            sharded=self.sharded,
+            wire_dtype=wire_dtype,
+            average=INTAKE_CLASSES[intake].exposes_buffers,
         )
         self._caller_checked = False  # whether the first step() call looked for a framework calling it
         # The ops get the wrapper's own tensors, checked when it made them

@@ -237,6 +237,8 @@ def _define(name, adamw):
         max_exp_avg_sqs: list[torch.Tensor],
         state_steps: list[torch.Tensor],
         master_params: list[torch.Tensor],
+        exp_avg_scales: list[torch.Tensor],
+        exp_avg_sq_scales: list[torch.Tensor],
         lr: float,
         beta1: float,
         beta2: float,
@@ -251,6 +253,11 @@ def _define(name, adamw):
         seed: int,
         positions: list[int],
     ) -> None:
+        if exp_avg_scales or exp_avg_sq_scales:
+            raise NotImplementedError(
+                f"accumkernels_triton::{name}: 8-bit optimizer state (exp_avg_scales, exp_avg_sq_scales) is not "
+                "implemented in the Triton kernels yet; use backend='reference'"
+            )
         _adam(
             adamw,
             params,
