@@ -56,6 +56,10 @@ CASES_2 = {
     "resume-allreduce-bf16-remainders": dict(
         scenario="resume", optimizer="sgd", dtype=torch.bfloat16, master_weights="remainders"
     ),
+    # 8-bit state under ZeRO-1: each rank's blocks cover its own shard (never a shard boundary)
+    "resume-sharded-8bit": dict(
+        scenario="resume", optimizer="adamw", sharded=True, dtype=torch.bfloat16, state_dtype="8bit"
+    ),
     "ddp": dict(scenario="ddp_taken_over", optimizer="adamw"),
     "framework-loop": dict(scenario="framework_loop", optimizer="adamw", clip=0.05),
     "misuse": dict(scenario="misuse", optimizer="sgd"),
@@ -183,6 +187,7 @@ def test_inf_on_one_rank_skips_the_window_on_all(runs, case):
         "resume-sharded-bf16-master",
         "resume-sharded-bf16-defaults",
         "resume-allreduce-bf16-remainders",
+        "resume-sharded-8bit",
     ],
 )
 def test_resume_mid_window_with_two_ranks(runs, case):
@@ -190,6 +195,7 @@ def test_resume_mid_window_with_two_ranks(runs, case):
         result = r[case]
         assert result["micro_steps_saved"] == 2
         assert same(result["resumed"], result["straight"])  # bitwise
+    assert same(runs[2][0][case]["straight"], runs[2][1][case]["straight"])  # every rank holds the same params
 
 
 def test_ddp_is_taken_over(runs):
