@@ -238,6 +238,8 @@ def test_native_ops_check_arguments_too(native_only):
             [],
             [],
             [],
+            [],
+            [],
             0.1,
             0.9,
             0.99,
