@@ -298,7 +298,6 @@ class HookIntake(Intake):
             return super()._register(r)
         self._markers[r.index] = (r.param, FoldedGrad(r.param, r.index))
         r.marker = self._markers[r.index][1]  # (read by _arrive: one attribute instead of two lookups)
-        r.contiguous = r.buffer.is_contiguous()
         # A pre-hook of the param's gradient accumulator (kept alive: torch holds
         # it weakly). Autograd runs it after every tensor hook on the param,
         # whenever registered (a user's mask sees the gradient first, as in plain
@@ -330,15 +329,17 @@ class HookIntake(Intake):
         # as wrapped, and the gradient dense.
         if param.dtype is not r.dtype or grad.layout is not torch.strided or grad.device != r.device:
             self._check_arriving(r, grad)
-        if not (r.contiguous and grad.is_contiguous()) and grad.stride() != r.buffer.stride():
-            grad = torch.empty_like(r.buffer, dtype=grad.dtype).copy_(grad)  # see _queue
+        self._pend(r, self._laid_out(r, grad))
+
+    def _pend(self, r: ParamRecord, grad: torch.Tensor) -> None:
+        """Queue a checked gradient, laid out like ``r``'s buffer, for its
+        bucket; a complete bucket is folded and, on the window's last
+        micro-step, handed to the sync."""
         bucket = r.bucket
         last = self._reduces and self.last_micro_step()
         if last and self.sync.bucket_launched(bucket):
             self._refuse_launched()
-        pending = self._pending.get(bucket.index)
-        if pending is None:
-            pending = self._pending[bucket.index] = []
+        pending = self._pending.setdefault(bucket.index, [])
         pending.append((r, grad))
         self.window.grads_since_step = True
         if len(pending) >= bucket.expected:
@@ -360,28 +361,24 @@ class HookIntake(Intake):
         grad = r.local_grad()
         if grad is None:
             return
-        bucket = r.bucket
-        last = self._reduces and self.last_micro_step()
-        if last and self.sync.bucket_launched(bucket):
-            self._refuse_launched()
-        pending = self._queue(r, grad)
-        self.window.grads_since_step = True
-        if len(pending) >= bucket.expected:
-            self._fold(bucket)
-            if last:
-                self.sync.bucket_ready(bucket)
-
-    def _queue(self, r: ParamRecord, grad: torch.Tensor) -> list:
-        """Check ``grad`` and queue it for ``r``'s bucket; returns the bucket's queue."""
         self._check_arriving(r, grad)
-        if not (grad.is_contiguous() and r.buffer.is_contiguous()) and grad.stride() != r.buffer.stride():
-            # Autograd hands a gradient over in the layout its last op made
-            # (a transposed matmul's, say), before AccumulateGrad would lay it
-            # out like the param: the fold takes it laid out like the buffer.
-            grad = torch.empty_like(r.buffer, dtype=grad.dtype).copy_(grad)
-        pending = self._pending.setdefault(r.bucket.index, [])
-        pending.append((r, grad))
-        return pending
+        self._pend(r, self._laid_out(r, grad))
+
+    @staticmethod
+    def _laid_out(r: ParamRecord, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` with its buffer's strides. Autograd hands a gradient over in
+        the layout its last op made (a transposed matmul's, say), before
+        AccumulateGrad would lay it out like the param: the fold takes it laid
+        out like the buffer."""
+        if (r.contiguous and grad.is_contiguous()) or grad.stride() == r.buffer.stride():
+            return grad
+        return torch.empty_like(r.buffer, dtype=grad.dtype).copy_(grad)
+
+    def _queue(self, r: ParamRecord, grad: torch.Tensor) -> None:
+        """Check a gradient found in ``.grad`` (put there by other code) and
+        queue it for ``r``'s bucket, to be folded with the rest."""
+        self._check_arriving(r, grad)
+        self._pending.setdefault(r.bucket.index, []).append((r, self._laid_out(r, grad)))
 
     def _install_marker(self, r: ParamRecord) -> None:
         """``.grad`` becomes (or stays) the marker. A tensor found there instead

@@ -180,6 +180,7 @@ class Layout:
         self.flat = torch.zeros(total, dtype=torch.float32, device=device)
         for r in self.records:
             r.buffer = self.view(r)
+            r.contiguous = r.buffer.is_contiguous()
         self.refresh_expected()
 
     def view(self, r: ParamRecord) -> torch.Tensor:
