@@ -58,7 +58,7 @@ def accumulate_(
     op = "accumkernels.accumulate_"
     if isinstance(backend, Prepared):  # the caller's own tensors, checked when it made them
         if buffers:
-            value, tensor = (1.0, scale) if isinstance(scale, torch.Tensor) else (float(scale), None)
+            value, tensor = _split_scale(scale)
             backend.on(buffers[0].device).accumulate_(
                 buffers=buffers,
                 grads=grads,
@@ -118,19 +118,39 @@ def _step_arguments(
         params, buffers, master_params = list(params), list(buffers), list(master_params or ())
         if not params:
             return {}
-        scale_value, scale_tensor = (1.0, grad_scale) if isinstance(grad_scale, torch.Tensor) else (grad_scale, None)
-        return dict(
-            params=params,
-            buffers=buffers,
-            master_params=master_params,
-            grad_scale=-float(scale_value) if maximize else float(scale_value),
-            grad_scale_tensor=scale_tensor,
-            found_inf=found_inf,
-            zero_buffers=bool(zero_buffers),
-            stochastic_rounding=bool(stochastic_rounding),
-            seed=seed,
-            positions=list(positions or ()),
+        scale_value, scale_tensor = _split_scale(grad_scale)
+        positions = list(positions or ())
+    else:
+        params, buffers, master_params, positions, scale_value, scale_tensor = _check_step_tensors(
+            op, params, buffers, master_params, grad_scale, found_inf, stochastic_rounding, seed, positions
         )
+        if not params:
+            return {}
+    return dict(
+        params=params,
+        buffers=buffers,
+        master_params=master_params,
+        grad_scale=-scale_value if maximize else scale_value,
+        grad_scale_tensor=scale_tensor,
+        found_inf=found_inf,
+        zero_buffers=bool(zero_buffers),
+        stochastic_rounding=bool(stochastic_rounding),
+        seed=seed,
+        positions=positions,
+    )
+
+
+def _split_scale(value) -> tuple[float, torch.Tensor | None]:
+    """A scale the caller vouches for, as the schema's (float, tensor) pair."""
+    return (1.0, value) if isinstance(value, torch.Tensor) else (float(value), None)
+
+
+def _check_step_tensors(
+    op, params, buffers, master_params, grad_scale, found_inf, stochastic_rounding, seed, positions
+):
+    """The checks of what every step op takes; returns (params, buffers,
+    master_params, positions, scale value, scale tensor), params empty for an
+    empty call."""
     params = checks.as_tensor_list(op, params, "params")
     buffers = checks.as_tensor_list(op, buffers, "buffers")
     master_params = checks.as_tensor_list(op, master_params, "master_params", optional=True)
@@ -145,7 +165,7 @@ def _step_arguments(
     positions = checks.positions_argument(op, positions, len(params))
     if not params:
         checks.scale_argument(op, grad_scale, "grad_scale", None)
-        return {}
+        return params, buffers, master_params, positions, 1.0, None
     if master_params:
         checks.check_length(op, master_params, "master_params", len(params), "one master weight per param, or None")
     device = params[0].device
@@ -167,18 +187,7 @@ def _step_arguments(
                 )
     scale_value, scale_tensor = checks.scale_argument(op, grad_scale, "grad_scale", device)
     checks.check_scalar_tensor(op, found_inf, "found_inf", device)
-    return dict(
-        params=params,
-        buffers=buffers,
-        master_params=master_params,
-        grad_scale=-scale_value if maximize else scale_value,
-        grad_scale_tensor=scale_tensor,
-        found_inf=found_inf,
-        zero_buffers=bool(zero_buffers),
-        stochastic_rounding=bool(stochastic_rounding),
-        seed=seed,
-        positions=positions,
-    )
+    return params, buffers, master_params, positions, scale_value, scale_tensor
 
 
 def _check_state(op, state, name, params, dtype):
@@ -195,6 +204,15 @@ def _check_state(op, state, name, params, dtype):
 
 def _scalar_tensors(args: dict) -> dict:
     return {"grad_scale": args["grad_scale_tensor"], "found_inf": args["found_inf"]}
+
+
+def _check_momentum_buffers(op, momentum_buffers, params, momentum) -> None:
+    if momentum == 0:
+        checks.check_length(op, momentum_buffers, "momentum_buffers", 0, "momentum is 0: pass None")
+        return
+    _check_state(op, momentum_buffers, "momentum_buffers", params, checks.first_dtype(momentum_buffers))
+    if checks.first_dtype(momentum_buffers) == torch.uint8:
+        raise TypeError(f"{op}: momentum_buffers are uint8; 8-bit state is for Adam and AdamW so far")
 
 
 def sgd_step_and_zero_(
@@ -294,14 +312,8 @@ def sgd_step_and_zero_(
         check_tensors=not trusted,
     )
     params = args.get("params", [])
-    if trusted:
-        pass
-    elif momentum != 0:
-        _check_state(op, momentum_buffers, "momentum_buffers", params, checks.first_dtype(momentum_buffers))
-        if checks.first_dtype(momentum_buffers) == torch.uint8:
-            raise TypeError(f"{op}: momentum_buffers are uint8; 8-bit state is for Adam and AdamW so far")
-    else:
-        checks.check_length(op, momentum_buffers, "momentum_buffers", 0, "momentum is 0: pass None")
+    if not trusted:
+        _check_momentum_buffers(op, momentum_buffers, params, momentum)
     if not params:
         return
     if not trusted:
