@@ -135,3 +135,17 @@ def encode_exp_avg_sq(v: torch.Tensor, like: torch.Tensor, random: torch.Tensor 
 def decode_exp_avg_sq(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     r = decode(codes, scales, False, EMIN_EXP_AVG_SQ)
     return r * r
+
+
+# The optimizer state keys each moment is kept under (torch.optim's names).
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def encode_moment(key: str, values: torch.Tensor, like: torch.Tensor, random: torch.Tensor | None):
+    """encode_exp_avg or encode_exp_avg_sq, by the state key."""
+    return (encode_exp_avg if key == "exp_avg" else encode_exp_avg_sq)(values, like, random)
+
+
+def decode_moment(key: str, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """decode_exp_avg or decode_exp_avg_sq, by the state key."""
+    return (decode_exp_avg if key == "exp_avg" else decode_exp_avg_sq)(codes, scales)

@@ -138,15 +138,21 @@ class LossScale:
         self._cached = None
 
 
+def _refuse_another_scaler(driver, loss_scale: LossScale):
+    """The GradScaler given as grad_scaler= (or None): it must be the one calling step()."""
+    given = loss_scale.scaler
+    if given is not None and given is not driver:
+        raise RuntimeError("step() is called by another GradScaler than the one given as grad_scaler=")
+    return given
+
+
 def adopt(driver, optimizer, loss_scale: LossScale, intake, device: torch.device) -> None:
     """Intake "hooks": a GradScaler calls step() directly (the wrapper handles
     scaling). One the wrapper was not given is adopted at its first call:
     the window's sum so far is unscaled and checked in place, later
     micro-batches as they are folded. ``scaler.unscale_(opt)`` before is
     refused: there is no ``.grad`` for it to unscale."""
-    given = loss_scale.scaler
-    if given is not None and given is not driver:
-        raise RuntimeError("step() is called by another GradScaler than the one given as grad_scaler=")
+    given = _refuse_another_scaler(driver, loss_scale)
     if was_unscaled(driver, optimizer):
         raise RuntimeError(
             "scaler.unscale_(opt) found no .grad: with intake='hooks' gradients are folded into the wrapper's fp32 "
@@ -163,9 +169,7 @@ def adopt(driver, optimizer, loss_scale: LossScale, intake, device: torch.device
 def refuse_unscaling_running_sum(driver, loss_scale: LossScale, ends_window: bool) -> None:
     """Intake "grad": the scaler unscales ``.grad`` (the buffers) and skips
     step() on inf itself, so it must do that once per window."""
-    given = loss_scale.scaler
-    if given is not None and given is not driver:
-        raise RuntimeError("step() is called by another GradScaler than the one given as grad_scaler=")
+    _refuse_another_scaler(driver, loss_scale)
     if not ends_window:
         raise RuntimeError(
             "with intake='grad' a GradScaler unscales .grad, which holds the window's running sum: call "

@@ -77,12 +77,6 @@ def state_keys(kind: str, group: dict) -> tuple[str, ...]:
     return ()
 
 
-def _decode(key: str, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The fp32 values of 8-bit state ``key`` (exp_avg or exp_avg_sq)."""
-    decode = state8.decode_exp_avg if key == "exp_avg" else state8.decode_exp_avg_sq
-    return decode(codes, scales)
-
-
 def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
     """'sgd', 'adam', 'adamw' (the fused step) or 'fallback'."""
     return KINDS.get(type(optimizer), "fallback")
@@ -218,7 +212,7 @@ class Updater:
         dtype = r.precision.state_dtype
         state = self.optimizer.state[r.param]
         if key not in state and key + "_codes" in state:  # an 8-bit checkpoint: decoded
-            state[key] = _decode(key, state.pop(key + "_codes"), state.pop(key + "_scales"))
+            state[key] = state8.decode_moment(key, state.pop(key + "_codes"), state.pop(key + "_scales"))
         value = state.get(key)
         local = value if value is None or r.local_of is None else local_tensor(value)
         if local is None or local.dtype != dtype or local.device != like.device or local.stride() != like.stride():
@@ -264,13 +258,12 @@ class Updater:
             return codes, scales
         plain = state.pop(key, None)
         if codes is not None and scales is not None:
-            plain = _decode(key, codes, scales)
+            plain = state8.decode_moment(key, codes, scales)
         if plain is None:
             codes = torch.zeros_like(like, dtype=torch.uint8, memory_format=torch.preserve_format)
             scales = torch.zeros(state8.scales_numel(like.numel()), dtype=torch.float32, device=like.device)
         else:
-            encode = state8.encode_exp_avg if key == "exp_avg" else state8.encode_exp_avg_sq
-            codes, scales = encode(plain.float().to(like.device).reshape(like.shape), like, None)
+            codes, scales = state8.encode_moment(key, plain.float().to(like.device).reshape(like.shape), like, None)
         state[key + "_codes"], state[key + "_scales"] = codes, scales
         return codes, scales
 
