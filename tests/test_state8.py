@@ -272,3 +272,16 @@ def test_sgd_refuses_uint8_momentum():
         ak.sgd_step_and_zero_(
             [torch.zeros(4)], [torch.zeros(4)], [torch.zeros(4, dtype=torch.uint8)], lr=0.1, momentum=0.9
         )
+
+
+def test_a_checkpoint_with_codes_but_no_scales_is_refused_whole():
+    model = _model()
+    opt = _wrapped(model)
+    _micro_steps(model, opt, 4, torch.Generator().manual_seed(3))
+    sd = copy.deepcopy(opt.state_dict())
+    del sd["state"][0]["exp_avg_scales"]
+    other = _wrapped(copy.deepcopy(model))
+    before = copy.deepcopy(other.state_dict())
+    with pytest.raises(ValueError, match="exp_avg_scales"):
+        other.load_state_dict(sd)
+    assert other.state_dict()["state"] == before["state"]

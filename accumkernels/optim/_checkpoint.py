@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .._state8 import scales_numel
+from .._state8 import MOMENTS, decode_moment, scales_numel
 from ._discovery import calling_frame
 
 
@@ -49,7 +49,14 @@ def check_loadable(wrapper, state_dict: dict, extra: dict | None) -> None:
     elif wrapper.sharded:
         raise ValueError("sharded=True loads only its own state dicts (a plain optimizer's holds whole params)")
     for saved_id, r in _params_in_saved_order(wrapper, state_dict):
-        for key, value in state_dict["state"].get(saved_id, {}).items():
+        entries = state_dict["state"].get(saved_id, {})
+        for moment in MOMENTS:  # 8-bit state: codes without their scales (or the reverse) cannot be decoded
+            if (moment + "_codes" in entries) != (moment + "_scales" in entries):
+                raise ValueError(
+                    f"checkpoint's 8-bit {moment!r} of param {r.index} has only one of {moment}_codes and "
+                    f"{moment}_scales; both are needed"
+                )
+        for key, value in entries.items():
             if not torch.is_tensor(value):
                 continue
             # A DTensor (FSDP2 state) is checked against the whole param, a plain
@@ -220,15 +227,12 @@ def dequantized_state_dict(state_dict: dict) -> dict:
     ``<key>``: what ``torch.optim.AdamW.load_state_dict`` takes. (The other way
     needs no call: an 8-bit optimizer loads a plain checkpoint and encodes its
     state, to nearest, at its first step.)"""
-    from .._state8 import decode_exp_avg, decode_exp_avg_sq
-
-    decoders = {"exp_avg": decode_exp_avg, "exp_avg_sq": decode_exp_avg_sq}
     out = {k: v for k, v in state_dict.items() if k != "state"}
     out["state"] = {}
     for index, entries in state_dict["state"].items():
         entries = dict(entries)
-        for key, decode in decoders.items():
+        for key in MOMENTS:
             if key + "_codes" in entries:
-                entries[key] = decode(entries.pop(key + "_codes"), entries.pop(key + "_scales"))
+                entries[key] = decode_moment(key, entries.pop(key + "_codes"), entries.pop(key + "_scales"))
         out["state"][index] = entries
     return out
