@@ -64,7 +64,9 @@ def test_param_groups_named_params_and_a_scheduler(backend):
         ]
 
     plain_opt = torch.optim.AdamW(groups(plain), lr=1e-2, eps=ADAM_EPS)
-    big_batch_run(plain, plain_opt, windows, scheduler=torch.optim.lr_scheduler.LinearLR(plain_opt, 1.0, 0.1, 4))
+    # ours steps once per step() call on one backward of the whole batch: so does the plain run (n_micro=1)
+    scheduler = torch.optim.lr_scheduler.LinearLR(plain_opt, 1.0, 0.1, 4)
+    big_batch_run(plain, plain_opt, windows, scheduler=scheduler, n_micro=1)
     opt = ak.AdamW(groups(ours), lr=1e-2, eps=ADAM_EPS, backend=backend)
     scheduler = torch.optim.lr_scheduler.LinearLR(opt, 1.0, 0.1, 4)
     for x, y in windows:
