@@ -35,6 +35,11 @@ nonzero m would step by m / eps. The encode rounds stochastically (unbiased, as
 the bf16 state): Adam's exp_avg_sq moves by (1 - beta2) of itself a step, far
 below the grid's 1/8 spacing, and rounding to nearest would freeze it.
 
+A block holding an inf or NaN gets an inf or NaN scale, and then every one
+of its elements decodes to inf or NaN (its codes are unspecified): as an fp32
+moment would, a non-finite gradient without a GradScaler ruins the training,
+here a block of it at once.
+
 Every computation here is fp32 arithmetic in a fixed order (the sum
 ``u * 2^(3 - e) + r`` is exact), so a native kernel can reproduce it bit for bit.
 """
@@ -60,6 +65,11 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, scales_numel(n) * BLOCK - n)).view(-1, BLOCK)
 
 
+def _pow2(k: torch.Tensor) -> torch.Tensor:
+    """2^k (fp32) of int32 exponents k in [-126, 127], from its bits (exact on every CPU)."""
+    return ((k + 127) << 23).view(torch.float32)
+
+
 def _exponent(u: torch.Tensor, emin: int) -> torch.Tensor:
     """max(emin, floor(log2 u)) from u's fp32 bits (emin for u = 0); int32."""
     biased = (u.view(torch.int32) >> 23) & 0xFF
@@ -70,7 +80,7 @@ def encode_magnitude(u: torch.Tensor, emin: int, random: torch.Tensor | None) ->
     """The codes of ``u`` in [0, 1] (fp32), with ``random`` (16-bit values, any
     integer dtype) for stochastic rounding or None for nearest; int32."""
     e = _exponent(u, emin)
-    scaled = u * torch.ldexp(torch.ones_like(u), (MANTISSA_BITS - e).float())
+    scaled = u * _pow2(MANTISSA_BITS - e)
     r = (random & 0xFFFF).float() * 2.0**-16 if random is not None else 0.5
     j = torch.floor(scaled + r).to(torch.int32)
     return 8 * (e - emin) + j
@@ -80,7 +90,7 @@ def decode_magnitude(code: torch.Tensor, emin: int) -> torch.Tensor:
     """The value in [0, 1] of each code (int32) of ``encode_magnitude``; fp32."""
     e = emin + torch.clamp(code // 8 - 1, min=0)
     j = code - 8 * (e - emin)
-    return torch.ldexp(j.float(), (e - MANTISSA_BITS).float())
+    return j.float() * _pow2(e - MANTISSA_BITS)
 
 
 def encode(values: torch.Tensor, like: torch.Tensor, signed: bool, emin: int, random: torch.Tensor | None):
@@ -93,7 +103,7 @@ def encode(values: torch.Tensor, like: torch.Tensor, signed: bool, emin: int, ra
     rows = _blocks(flat)
     scale = rows.abs().amax(dim=1)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    u = torch.clamp(rows.abs() / safe[:, None], max=1.0)
+    u = rows.abs() / safe[:, None]  # <= 1: |x| <= scale and IEEE division is monotone
     rand = None if random is None else _blocks(random.reshape(-1).to(torch.int64))
     code = encode_magnitude(u, emin, rand)
     if signed:
@@ -128,8 +138,17 @@ def decode_exp_avg(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return decode(codes, scales, True, EMIN_EXP_AVG)
 
 
+def sqrt_f32(v: torch.Tensor) -> torch.Tensor:
+    """sqrt of fp32 ``v``, correctly rounded (as sqrtf and IEEE 754): torch's
+    fp32 CPU sqrt is not (off by an ulp in ~17% of values on torch 2.14.1
+    here), so it is taken in fp64 and rounded once, which is exact for sqrt
+    (53 >= 2 * 24 + 2 bits). The reference's Adam denominator takes it too,
+    so that the kernels' sqrtf gives the reference's bits."""
+    return torch.sqrt(v.double()).float()
+
+
 def encode_exp_avg_sq(v: torch.Tensor, like: torch.Tensor, random: torch.Tensor | None):
-    return encode(torch.sqrt(v), like, False, EMIN_EXP_AVG_SQ, random)
+    return encode(sqrt_f32(v), like, False, EMIN_EXP_AVG_SQ, random)
 
 
 def decode_exp_avg_sq(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -366,8 +366,8 @@ _ADAM_DOC = """One torch.optim.{cls} step from fp32 gradient buffers, then clear
             block scales (accumkernels._state8 states the format; encoded
             stochastically with the bits of the bf16 state's rounding slots),
             then with ``exp_avg_scales`` and ``exp_avg_sq_scales``, one fp32
-            tensor of ceil(numel / 256) elements per param. 8-bit state: the
-            reference backend only so far, not with amsgrad.
+            tensor of ceil(numel / 256) elements per param. 8-bit state: not
+            with amsgrad; a block holding an inf or NaN decodes to inf or NaN.
         state_steps: 1-element fp32 step counts on the params' device, one per
             param (torch.optim's ``state['step']``).
         max_exp_avg_sqs: the state ``v_max``; required iff amsgrad.

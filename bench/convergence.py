@@ -133,12 +133,7 @@ RECIPES = {
     "bf16-plain": Recipe("bf16 params, plain bf16 .grad, torch AdamW", torch.bfloat16, "torch", {}),
     "ours": Recipe("AccumulatingOptimizer, bf16 params, defaults", torch.bfloat16, "ours", {}),
     "ours-fp32-state": Recipe("  + state_dtype=torch.float32", torch.bfloat16, "ours", dict(state_dtype=torch.float32)),
-    "ours-8bit": Recipe(
-        "  + state_dtype='8bit' (reference backend)",
-        torch.bfloat16,
-        "ours",
-        dict(state_dtype="8bit", backend="reference"),
-    ),
+    "ours-8bit": Recipe("  + state_dtype='8bit'", torch.bfloat16, "ours", dict(state_dtype="8bit")),
     "ours-nearest": Recipe(
         "  + stochastic_rounding=False, fp32 state (the old defaults)",
         torch.bfloat16,

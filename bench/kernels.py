@@ -302,6 +302,33 @@ def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
                     backend=backend,
                 ),
             )
+    # 8-bit moments (accumkernels._state8): p r/w 4 + buffer r/w 8 + codes r/w 4
+    # + two fp32 scales r/w per block of 256 (16/256) = 16.0625 B/element.
+    from accumkernels import _state8
+
+    codes_m, codes_v = torch.zeros_like(pb, dtype=torch.uint8), torch.zeros_like(pb, dtype=torch.uint8)
+    scales_m = torch.zeros(_state8.scales_numel(numel), device=device)
+    scales_v = torch.zeros_like(scales_m)
+    for backend in backends:
+        group.add(
+            f"adamw_bf16_8bit[{backend}]",
+            f"adamw_step_and_zero_ bf16 params, 8-bit state, stochastic rounding [{backend}]",
+            16 + 16 / 256,
+            numel,
+            lambda backend=backend: ak.adamw_step_and_zero_(
+                [pb],
+                [g],
+                [codes_m],
+                [codes_v],
+                [step],
+                exp_avg_scales=[scales_m],
+                exp_avg_sq_scales=[scales_v],
+                lr=1e-3,
+                stochastic_rounding=True,
+                seed=3,
+                backend=backend,
+            ),
+        )
     # The same step over a model's 200 tensors, against torch's fused AdamW:
     # GPT d=512 (60M elements) on the CPU, d=2048 (846M) on CUDA.
     d_model = 2048 if device.type == "cuda" and not quick else 512
@@ -401,6 +428,14 @@ HEADLINE = {
         ),
         ("adamw_step_and_zero_ vs torch foreach + zero_", "adamw_torch_foreach", "adamw[{b}]", "time", 3.0),
         ("adamw bf16 params + bf16 state GB/s / fp32 state GB/s", "adamw_bf16_state[{b}]", "adamw[{b}]", "gbps", 0.9),
+        ("adamw bf16 params + 8-bit state GB/s / ceiling GB/s", "adamw_bf16_8bit[{b}]", "ceiling_adamw", "gbps", 0.85),
+        (
+            "adamw 8-bit state vs bf16 state (defaults), time",
+            "adamw_bf16_state[{b}]",
+            "adamw_bf16_8bit[{b}]",
+            "time",
+            1.0,
+        ),
     ],
     "cuda": [
         ("accumulate_ bf16, fraction of copy bandwidth", "accumulate_bf16[{b}]", "ceiling", "gbps", 0.9),
@@ -421,6 +456,13 @@ HEADLINE = {
             "ceiling_adamw",
             "gbps",
             0.9,
+        ),
+        (
+            "AdamW bf16 params + 8-bit state, fraction of copy bandwidth",
+            "adamw_bf16_8bit[{b}]",
+            "ceiling_adamw",
+            "gbps",
+            0.85,
         ),
     ],
 }

@@ -9,6 +9,9 @@
 
 #include <initializer_list>
 #include <optional>
+#include <utility>
+
+#include "accumkernels/formulas.h"
 
 #include <c10/util/ArrayRef.h>
 
@@ -143,12 +146,12 @@ inline at::ScalarType state_dtype_of(at::TensorList first_state) {
 }
 
 // Optimizer state: one tensor per param, laid out like it, all of one dtype
-// (float32 or bfloat16) across the call.
+// (float32, bfloat16, or uint8 codes of 8-bit state: Adam's only) across the call.
 inline void check_state(const char* op, at::TensorList state, const char* name,
                         at::TensorList params, at::ScalarType state_dtype) {
   check_length(op, state, name, params.size(), "one per param");
   for (size_t i = 0; i < params.size(); ++i) {
-    check_like(op, state[i], name, i, params[i], "params", {at::kFloat, at::kBFloat16});
+    check_like(op, state[i], name, i, params[i], "params", {at::kFloat, at::kBFloat16, at::kByte});
     TORCH_CHECK_TYPE(state[i].scalar_type() == state_dtype, op, ": ", name, "[", i,
                      "] has dtype ", state[i].scalar_type(), " but the call's state is ",
                      state_dtype, "; every state tensor of a call has one dtype");
@@ -167,6 +170,8 @@ inline void check_sgd_arguments(const char* op, at::TensorList params, at::Tenso
   check_positions(op, positions, params.size());
   if (momentum != 0.0) {
     check_state(op, momentum_buffers, "momentum_buffers", params, state_dtype_of(momentum_buffers));
+    TORCH_CHECK_TYPE(state_dtype_of(momentum_buffers) != at::kByte, op,
+                     ": momentum_buffers are uint8, but SGD has no 8-bit state; pass float32 or bfloat16");
   } else {
     check_length(op, momentum_buffers, "momentum_buffers", 0, "momentum is 0");
   }
@@ -179,7 +184,8 @@ inline void check_sgd_arguments(const char* op, at::TensorList params, at::Tenso
 inline void check_adam_arguments(const char* op, at::TensorList params, at::TensorList buffers,
                                  at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                                  at::TensorList max_exp_avg_sqs, at::TensorList state_steps,
-                                 at::TensorList master_params, bool amsgrad,
+                                 at::TensorList master_params, at::TensorList exp_avg_scales,
+                                 at::TensorList exp_avg_sq_scales, bool amsgrad,
                                  bool stochastic_rounding, c10::ArrayRef<int64_t> positions,
                                  const std::optional<at::Tensor>& grad_scale_tensor,
                                  const std::optional<at::Tensor>& found_inf) {
@@ -189,6 +195,23 @@ inline void check_adam_arguments(const char* op, at::TensorList params, at::Tens
   const at::ScalarType state_dtype = state_dtype_of(exp_avgs);
   check_state(op, exp_avgs, "exp_avgs", params, state_dtype);
   check_state(op, exp_avg_sqs, "exp_avg_sqs", params, state_dtype);
+  if (state_dtype == at::kByte) {  // 8-bit state: codes and one fp32 scale per block of 256
+    TORCH_CHECK_VALUE(!amsgrad, op, ": amsgrad with 8-bit state (uint8 exp_avgs) is not supported");
+    for (const auto& [scales, name] : {std::pair{exp_avg_scales, "exp_avg_scales"},
+                                       std::pair{exp_avg_sq_scales, "exp_avg_sq_scales"}}) {
+      check_length(op, scales, name, params.size(), "8-bit state: one scale tensor per param");
+      for (size_t i = 0; i < params.size(); ++i) {
+        check_tensor(op, scales[i], name, i, params[0].device(), {at::kFloat});
+        const int64_t blocks = (params[i].numel() + kState8Block - 1) / kState8Block;
+        TORCH_CHECK_VALUE(scales[i].numel() == blocks, op, ": ", name, "[", i, "] has ",
+                          scales[i].numel(), " elements; expected ", blocks,
+                          " (one per block of 256 of params[", i, "])");
+      }
+    }
+  } else {
+    check_length(op, exp_avg_scales, "exp_avg_scales", 0, "the state is not 8-bit");
+    check_length(op, exp_avg_sq_scales, "exp_avg_sq_scales", 0, "the state is not 8-bit");
+  }
   if (amsgrad) {
     check_state(op, max_exp_avg_sqs, "max_exp_avg_sqs", params, state_dtype);
   } else {

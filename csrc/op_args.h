@@ -84,9 +84,10 @@ struct SgdArgs {
 
 struct AdamArgs {
   at::TensorList params, buffers, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
-      master_params;
+      master_params, exp_avg_scales, exp_avg_sq_scales;
   Masters masters;
-  Dtype state_dtype;
+  Dtype state_dtype;  // fp32 when state8
+  bool state8;        // uint8 codes with block scales (formulas.h's 8-bit state)
   AdamHyper hyper;
   StepScale scale;
   bool zero_buffers;
@@ -136,18 +137,13 @@ void adam_entry(at::TensorList params, at::TensorList buffers, at::TensorList ex
                 const std::optional<at::Tensor>& found_inf, bool zero_buffers,
                 bool stochastic_rounding, int64_t seed, c10::ArrayRef<int64_t> positions) {
   const char* op = kAdamW ? "accumkernels::adamw_step_and_zero_" : "accumkernels::adam_step_and_zero_";
-  // 8-bit state (uint8 codes with block scales, accumkernels/_state8.py) runs
-  // on the reference backend only so far.
-  TORCH_CHECK(exp_avg_scales.empty() && exp_avg_sq_scales.empty(), op,
-              ": 8-bit optimizer state (exp_avg_scales, exp_avg_sq_scales) is not implemented in the "
-              "native kernels yet; use backend='reference'");
-  check_adam_arguments(
-      op, params,
-      buffers, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, amsgrad,
-      stochastic_rounding, positions, grad_scale_tensor, found_inf);
+  check_adam_arguments(op, params, buffers, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
+                       master_params, exp_avg_scales, exp_avg_sq_scales, amsgrad, stochastic_rounding,
+                       positions, grad_scale_tensor, found_inf);
   if (params.empty()) return;
   Run({params, buffers, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params,
-       masters_of(master_params), state_storage(state_dtype_of(exp_avgs)),
+       exp_avg_scales, exp_avg_sq_scales, masters_of(master_params),
+       state_storage(state_dtype_of(exp_avgs)), state_dtype_of(exp_avgs) == at::kByte,
        make_adam_hyper(lr, beta1, beta2, eps, weight_decay, kAdamW, amsgrad),
        StepScale{static_cast<float>(grad_scale), data_or_null(grad_scale_tensor),
                  data_or_null(found_inf)},

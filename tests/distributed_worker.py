@@ -102,8 +102,7 @@ def wrapped(cfg, model):
         skip_nonfinite=cfg.get("skip_nonfinite", False),
         grad_scaler=cfg.get("scaler"),
         bucket_cap_mb=BUCKET_MB,
-        # 8-bit state runs on the reference backend only (so far)
-        backend="reference" if cfg.get("state_dtype") == "8bit" else cfg["backend"],
+        backend=cfg["backend"],
         sharded=cfg.get("sharded", False),
         wire_dtype=cfg.get("wire_dtype", torch.float32),
         state_dtype=cfg.get("state_dtype"),

@@ -228,8 +228,8 @@ ISA_CHECK = textwrap.dedent(
     torch.manual_seed({seed})
     # Every ISA variant rounds exactly like the reference (no contraction, the
     # same formulas): accumulate_ and SGD to the bit; Adam to 4 fp32 ulps of the
-    # terms (the reference's torch.sqrt may differ from sqrtf by an ulp) and,
-    # for 16-bit params, to one ulp of their dtype after rounding.
+    # terms (the bias corrections' pow may differ by an ulp) and, for 16-bit
+    # params, to one ulp of their dtype after rounding.
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         ulp = torch.finfo(dtype).eps
         for n in (0, 1, 7, 65537, 200003):
@@ -273,6 +273,22 @@ ISA_CHECK = textwrap.dedent(
             (a, ma, ra), (b, mb, rb) = runs
             assert torch.equal(a, b) and torch.equal(ma, mb), ("bf16 state", sr, n)
             assert sr or torch.equal(ra, rb), ("remainders", n)
+    # 8-bit state: codes and scales to the bit (the moments do not depend on
+    # the bias corrections), bf16 params rounded stochastically.
+    from accumkernels import _state8 as s8
+    for n in (1, 257, 65537, 200003):
+        like = torch.empty(n, dtype=torch.uint8)
+        mc, ms = s8.encode_exp_avg(torch.randn(n) * 0.1, like, None)
+        vc, vs = s8.encode_exp_avg_sq(torch.rand(n) * 0.01, like, None)
+        p, buf = torch.randn(n).bfloat16(), torch.randn(n)
+        runs = []
+        for backend in ("cpu", "reference"):
+            state = [mc.clone()], [vc.clone()], [ms.clone()], [vs.clone()]
+            ak.adamw_step_and_zero_([p.clone()], [buf.clone()], state[0], state[1], [torch.tensor(0.0)],
+                                    exp_avg_scales=state[2], exp_avg_sq_scales=state[3], lr=0.1, weight_decay=0.1,
+                                    stochastic_rounding=True, seed=77, backend=backend)
+            runs.append([x[0] for x in state])
+        assert all(torch.equal(a, b) for a, b in zip(*runs)), ("8-bit state", n)
     xs = [torch.randn(300001)]
     assert abs(ak.grad_norm(xs, backend="cpu").item() - xs[0].double().norm().item()) < 1e-3
     print("ok")

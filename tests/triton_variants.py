@@ -101,6 +101,19 @@ def variants():
             yield f"sgd-{tag}-momentum{momentum}", "sgd", sgd_types, dict(MOMENTUM=momentum, **common), aligned
         for amsgrad in BOOLS:
             yield f"adam-{tag}-amsgrad{amsgrad:d}", "adam", adam_types, dict(AMSGRAD=amsgrad, **common), aligned
+    # 8-bit state (uint8 codes with block scales): Adam without amsgrad.
+    for (dtype, master, sr), aligned in itertools.product(PARAM_KINDS, BOOLS):
+        constexprs = dict(
+            PARAM_DTYPE=DTYPES[dtype],
+            MASTER_KIND=master,
+            STOCHASTIC=sr,
+            STATE_DTYPE=tl.uint8,
+            ALIGNED=aligned,
+            AMSGRAD=False,
+            **blocks,
+        )
+        name = f"adam-{dtype}-master{master:d}-sr{sr:d}-state8bit-aligned{aligned:d}"
+        yield name, "adam", adam_types, constexprs, aligned
     yield (
         "increment-steps",
         "increment",

@@ -293,7 +293,7 @@ def _adam(
         if amsgrad:
             v_hat = torch.maximum(max_exp_avg_sqs[i].float(), new_v)
             _store_state(max_exp_avg_sqs[i], v_hat, skip, seed, stream, 3)
-        denom = torch.sqrt(v_hat) / bias_correction2_sqrt + eps
+        denom = state8.sqrt_f32(v_hat) / bias_correction2_sqrt + eps
         new_p = p - step_size * (new_m / denom)
         if eight_bit:
             _store_8bit(m, exp_avg_scales[i], new_m, state8.encode_exp_avg, skip, seed, stream, 1)

@@ -59,7 +59,6 @@ def check_options(
     process_group,
     sharded,
     wire_dtype,
-    backend=None,
 ) -> Options:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
@@ -99,7 +98,7 @@ def check_options(
         if flag and optimizer_kind(optimizer) == "fallback":
             raise ValueError(f"{name} needs SGD, Adam or AdamW (the fused step); got {type(optimizer).__name__}")
     if state_dtype == "8bit":
-        _check_8bit_state(optimizer, backend)
+        _check_8bit_state(optimizer)
     if master_weights and stochastic_rounding:
         raise ValueError("master_weights and stochastic_rounding=True exclude each other: choose one")
     initialized = dist.is_available() and dist.is_initialized()
@@ -163,19 +162,13 @@ def check_options(
 _NO_REPLICAS = object()  # a pipeline stage no other rank holds: nothing to reduce
 
 
-def _check_8bit_state(optimizer, backend) -> None:
-    """state_dtype='8bit' (accumkernels._state8): Adam or AdamW without
-    amsgrad, on the reference backend (the only one with its kernels so far)."""
+def _check_8bit_state(optimizer) -> None:
+    """state_dtype='8bit' (accumkernels._state8): Adam or AdamW without amsgrad."""
     kind = optimizer_kind(optimizer)
     if kind not in ("adam", "adamw"):
         raise ValueError(f"state_dtype='8bit' is for Adam and AdamW so far; got {type(optimizer).__name__}")
     if any(group.get("amsgrad") for group in optimizer.param_groups):
         raise ValueError("state_dtype='8bit' does not support amsgrad=True (its max_exp_avg_sq would need a code too)")
-    if backend != "reference":
-        raise ValueError(
-            "state_dtype='8bit' runs on backend='reference' only so far (pure PyTorch; the CPU, CUDA and Triton "
-            f"kernels for it are not written yet); got backend={backend!r}: pass backend='reference'"
-        )
 
 
 def _data_parallel_group(params, process_group, initialized):

@@ -79,7 +79,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             moments): ``torch.float32``, ``torch.bfloat16`` (rounded
             stochastically) or ``"8bit"`` (Adam and AdamW: uint8 codes with a
             scale per block of 256, encoded stochastically; the format is
-            accumkernels._state8's; backend='reference' only so far; its
+            accumkernels._state8's; no amsgrad, no FSDP2 so far; its
             state_dict holds the codes and scales, and
             ``accumkernels.optim.dequantized_state_dict`` turns it into one
             torch.optim.AdamW loads). Default (None): bf16 for bf16 params
@@ -140,7 +140,6 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             process_group=process_group,
             sharded=sharded,
             wire_dtype=wire_dtype,
-            backend=backend,
         )
         accum_steps, intake, params, mesh = o.accum_steps, o.intake, o.params, o.mesh
         # What a copy (copy.deepcopy, pickle) is rebuilt from: see __getstate__.

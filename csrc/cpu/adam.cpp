@@ -25,16 +25,23 @@ void run_adam(const AdamArgs& a) {
     per_tensor[i] = adam_bias_corrections(a.hyper, *step);
   }
   const KernelTable& k = kernels();
-  for (const DtypeGroup& g : group_by_dtype(a.params, {a.params, a.master_params, a.buffers,
-                                                      a.exp_avgs, a.exp_avg_sqs, a.max_exp_avg_sqs})) {
-    const StepCall call = step_call(g, a.masters, a.sr, a.state_dtype, a.scale.scale(), a.zero_buffers);
-    for_each_chunk(g, [&](size_t t, int64_t offset, int64_t length) {
-      k.adam(call, a.hyper,
-             {weights_at(g, a.masters, a.sr, t, offset), f32_at(g.pointers[2], t, offset),
-              state_at(g.pointers[3], t, offset, a.state_dtype),
-              state_at(g.pointers[4], t, offset, a.state_dtype),
-              state_at(g.pointers[5], t, offset, a.state_dtype), length, per_tensor[g.indices[t]]});
-    });
+  // 8-bit state: chunks start at a block boundary, so a block is one chunk's.
+  const int64_t align = a.state8 ? kState8Block : 1;
+  for (const DtypeGroup& g :
+       group_by_dtype(a.params, {a.params, a.master_params, a.buffers, a.exp_avgs, a.exp_avg_sqs,
+                                 a.max_exp_avg_sqs, a.exp_avg_scales, a.exp_avg_sq_scales})) {
+    const StepCall call =
+        step_call(g, a.masters, a.sr, a.state_dtype, a.state8, a.scale.scale(), a.zero_buffers);
+    for_each_chunk(
+        g,
+        [&](size_t t, int64_t offset, int64_t length) {
+          k.adam(call, a.hyper,
+                 {weights_at(g, a.masters, a.sr, t, offset), f32_at(g.pointers[2], t, offset),
+                  state_at(g.pointers[3], t, offset, call), state_at(g.pointers[4], t, offset, call),
+                  state_at(g.pointers[5], t, offset, call), f32_at(g.pointers[6], t, offset / kState8Block),
+                  f32_at(g.pointers[7], t, offset / kState8Block), length, per_tensor[g.indices[t]]});
+        },
+        align);
   }
 }
 

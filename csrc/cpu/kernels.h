@@ -35,7 +35,8 @@ struct WeightsChunk {
 struct StepCall {
   Dtype param_dtype;
   WeightsKind weights;
-  Dtype state_dtype;  // of every state tensor of the call: fp32 or bf16
+  Dtype state_dtype;  // of every state tensor of the call: fp32 or bf16 (fp32 when state8)
+  bool state8;        // Adam's exp_avg and exp_avg_sq are 8-bit codes with block scales
   uint32_t seed;
   float grad_scale;  // grad_scale * grad_scale_tensor, read once per call
   bool zero_buffers;
@@ -55,6 +56,11 @@ struct AdamChunk {
   void* exp_avg;
   void* exp_avg_sq;
   void* max_exp_avg_sq;  // nullptr unless amsgrad
+  // 8-bit state (StepCall::state8): exp_avg and exp_avg_sq are uint8 codes,
+  // these their blocks' scales from the chunk's first block on (an 8-bit
+  // chunk starts at a block boundary of its tensor); else nullptr.
+  float* exp_avg_scales;
+  float* exp_avg_sq_scales;
   int64_t n;
   AdamStepScalars scalars;
 };

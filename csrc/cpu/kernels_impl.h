@@ -56,16 +56,20 @@ State<S, kSlot> state(void* data) {
   return {static_cast<typename Storage<S>::type*>(data)};
 }
 
+// Calls f(Weights<...>{...}) with the weights type of this call.
+template <typename F>
+void with_param_weights(const StepCall& call, const WeightsChunk& c, F&& f) {
+  with_dtype(call.param_dtype, [&](auto p) {
+    constexpr Dtype P = decltype(p)::value;
+    with_weights_kind<P>(call.weights, [&](auto kind) { f(weights<P, decltype(kind)::value>(c)); });
+  });
+}
+
 // Calls f(Weights<...>{...}, std::integral_constant<Dtype, S>) with the
 // weights type and state dtype of this call.
 template <typename F>
 void with_weights(const StepCall& call, const WeightsChunk& c, F&& f) {
-  with_dtype(call.param_dtype, [&](auto p) {
-    constexpr Dtype P = decltype(p)::value;
-    with_weights_kind<P>(call.weights, [&](auto kind) {
-      with_state_dtype(call.state_dtype, [&](auto s) { f(weights<P, decltype(kind)::value>(c), s); });
-    });
-  });
+  with_param_weights(call, c, [&](const auto& w) { with_state_dtype(call.state_dtype, [&](auto s) { f(w, s); }); });
 }
 
 // The hyperparameters are copied into locals: read through a reference they
@@ -128,8 +132,86 @@ void adam_loop(const W& weights_in, const M& m_in, const V& v_in, const VMax& v_
   }
 }
 
+// 8-bit state (formulas.h's decode_/encode_exp_avg and _exp_avg_sq): each
+// block is decoded, updated and its param stored in one pass that keeps the
+// new moments (exp_avg_sq as r = sqrt(v)) in fp32 locals and takes their
+// block maxima, the new scales; a second pass encodes them. A NaN makes its
+// block's scale NaN (as torch.amax does: the max reduction alone could drop
+// it, and the block would decode to finite values).
+template <typename Flags, bool kZero, typename W>
+void adam8_loop(const W& weights_in, const SrChunk& sr_in, const AdamChunk& c, float grad_scale,
+                const AdamHyper& hyper) {
+  constexpr Flags flags{};
+  const AdamHyper h = hyper;
+  const W w = weights_in;
+  const SrChunk sr = sr_in;
+  float* AK_RESTRICT buffer = c.buffer;
+  uint8_t* AK_RESTRICT m_codes = static_cast<uint8_t*>(c.exp_avg);
+  uint8_t* AK_RESTRICT v_codes = static_cast<uint8_t*>(c.exp_avg_sq);
+  const AdamStepScalars s = c.scalars;
+  alignas(64) float m_new[kState8Block];
+  alignas(64) float r_new[kState8Block];
+  for (int64_t b = 0; b * kState8Block < c.n; ++b) {
+    const int64_t first = b * kState8Block;
+    const int64_t n = c.n - first < kState8Block ? c.n - first : kState8Block;
+    const float m_scale = c.exp_avg_scales[b];
+    const float v_scale = c.exp_avg_sq_scales[b];
+    float m_max = 0.0f;
+    float r_max = 0.0f;
+    uint32_t m_nan = 0;
+    uint32_t r_nan = 0;
+#pragma omp simd reduction(max : m_max, r_max) reduction(| : m_nan, r_nan)
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t i = first + k;
+      const float g = grad_scale * buffer[i];
+      float m = decode_exp_avg(m_codes[i], m_scale);
+      float v = decode_exp_avg_sq(v_codes[i], v_scale);
+      float v_max = 0.0f;
+      w.store(i, adam_update(w.load(i), g, m, v, v_max, h, s, flags), sr);
+      const float m_abs = bits_float(float_bits(m) & 0x7FFFFFFFu);
+      const float r = __builtin_sqrtf(v);
+      m_new[k] = m;
+      r_new[k] = r;
+      m_max = m_max > m_abs ? m_max : m_abs;
+      r_max = r_max > r ? r_max : r;
+      m_nan |= m != m ? 1u : 0u;
+      r_nan |= r != r ? 1u : 0u;
+      if (kZero) buffer[i] = 0.0f;
+    }
+    const float m_scale_new = m_nan != 0 ? bits_float(0x7FC00000u) : m_max;
+    const float r_scale_new = r_nan != 0 ? bits_float(0x7FC00000u) : r_max;
+    const float m_divisor = state8_divisor(m_scale_new);
+    const float r_divisor = state8_divisor(r_scale_new);
+#pragma omp simd
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t i = first + k;
+      m_codes[i] = encode_exp_avg(m_new[k], m_divisor, sr_draw<1>(sr, i));
+      v_codes[i] = encode_exp_avg_sq(r_new[k], r_divisor, sr_draw<2>(sr, i));
+    }
+    c.exp_avg_scales[b] = m_scale_new;
+    c.exp_avg_sq_scales[b] = r_scale_new;
+  }
+}
+
+void adam8_chunk(const StepCall& call, const AdamHyper& h, const AdamChunk& c, const SrChunk& sr) {
+  with_param_weights(call, c.weights, [&](const auto& w) {
+    with_bool(h.adamw, [&](auto adamw) {
+      with_bool(h.has_weight_decay, [&](auto wd) {
+        with_bool(call.zero_buffers, [&](auto zero) {
+          using Flags = StaticAdamFlags<decltype(adamw)::value, false, decltype(wd)::value>;
+          adam8_loop<Flags, decltype(zero)::value>(w, sr, c, call.grad_scale, h);
+        });
+      });
+    });
+  });
+}
+
 void adam_chunk(const StepCall& call, const AdamHyper& h, const AdamChunk& c) {
   const SrChunk sr = sr_chunk(call.seed, c.weights.stream, c.weights.first);
+  if (call.state8) {
+    adam8_chunk(call, h, c, sr);
+    return;
+  }
   with_weights(call, c.weights, [&](const auto& w, auto state_dtype) {
     constexpr Dtype S = decltype(state_dtype)::value;
     const auto m = state<S, 1>(c.exp_avg);

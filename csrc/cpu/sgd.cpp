@@ -18,11 +18,11 @@ void run_sgd(const SgdArgs& a) {
   const KernelTable& k = kernels();
   for (const DtypeGroup& g :
        group_by_dtype(a.params, {a.params, a.master_params, a.buffers, a.momentum_buffers})) {
-    const StepCall call = step_call(g, a.masters, a.sr, a.state_dtype, a.scale.scale(), a.zero_buffers);
+    const StepCall call = step_call(g, a.masters, a.sr, a.state_dtype, false, a.scale.scale(), a.zero_buffers);
     for_each_chunk(g, [&](size_t t, int64_t offset, int64_t length) {
       k.sgd(call, a.hyper, a.momentum,
             {weights_at(g, a.masters, a.sr, t, offset), f32_at(g.pointers[2], t, offset),
-             state_at(g.pointers[3], t, offset, a.state_dtype), length});
+             state_at(g.pointers[3], t, offset, call), length});
     });
   }
 }

@@ -5,6 +5,9 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
+#include <vector>
+
 #include "../op_args.h"
 #include "../tensor_lists.h"
 #include "kernels.h"
@@ -20,8 +23,9 @@ inline float* f32_at(const std::vector<void*>& ptrs, size_t t, int64_t offset) {
 
 // The scalars of a step call over dtype group `g`.
 inline StepCall step_call(const DtypeGroup& g, const Masters& masters, const Stochastic& sr,
-                          Dtype state_dtype, float grad_scale, bool zero_buffers) {
-  return {g.dtype, step_weights_kind(g.dtype, masters, sr), state_dtype, sr.seed, grad_scale, zero_buffers};
+                          Dtype state_dtype, bool state8, float grad_scale, bool zero_buffers) {
+  return {g.dtype, step_weights_kind(g.dtype, masters, sr), state_dtype, state8, sr.seed, grad_scale,
+          zero_buffers};
 }
 
 // The weights of tensor t of group `g` from element `offset` on; list 0 holds
@@ -35,20 +39,28 @@ inline WeightsChunk weights_at(const DtypeGroup& g, const Masters& masters, cons
   return {static_cast<char*>(g.pointers[0][t]) + offset * element, master, sr.streams[g.indices[t]], offset};
 }
 
-// A state pointer into list `ptrs` at element `offset`, or nullptr for an absent list.
-inline void* state_at(const std::vector<void*>& ptrs, size_t t, int64_t offset, Dtype state_dtype) {
-  const int64_t element = state_dtype == Dtype::kFloat32 ? 4 : 2;
+// A state pointer into list `ptrs` at element `offset` of the call's state
+// (fp32, bf16 or 8-bit codes), or nullptr for an absent list.
+inline void* state_at(const std::vector<void*>& ptrs, size_t t, int64_t offset, const StepCall& call) {
+  const int64_t element = call.state8 ? 1 : (call.state_dtype == Dtype::kFloat32 ? 4 : 2);
   return ptrs[t] == nullptr ? nullptr : static_cast<char*>(ptrs[t]) + offset * element;
 }
 
 // Runs f(tensor in group, offset, length) over every chunk of the group, in
 // parallel. A piece never crosses a multiple of 2^32 elements of its tensor, so
 // that its element indices share their high 32 bits (formulas.h's SrChunk).
+// With `align` (a divisor of kChunk) every piece starts at a multiple of it in
+// its tensor: the flat index counts each tensor rounded up to a multiple of
+// `align`, so the chunk boundaries fall on multiples of it in every tensor.
 template <typename F>
-void for_each_chunk(const DtypeGroup& g, F&& f) {
-  const FlatIndex index(g.numels);
+void for_each_chunk(const DtypeGroup& g, F&& f, int64_t align = 1) {
+  std::vector<int64_t> padded(g.numels);
+  for (int64_t& n : padded) n = (n + align - 1) / align * align;
+  const FlatIndex index(padded);
   index.parallel_for_chunks([&](int64_t, int64_t begin, int64_t end) {
-    index.for_each_segment(begin, end, [&](size_t t, int64_t offset, int64_t length) {
+    index.for_each_segment(begin, end, [&](size_t t, int64_t offset, int64_t padded_length) {
+      const int64_t length = std::min(padded_length, g.numels[t] - offset);  // not into the padding
+      if (length <= 0) return;
       const int64_t boundary = ((offset >> 32) + 1) << 32;  // the next multiple of 2^32
       if (offset + length > boundary) {
         f(t, offset, boundary - offset);

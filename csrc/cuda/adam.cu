@@ -79,6 +79,95 @@ struct AdamFunctor {
   }
 };
 
+// 8-bit state (formulas.h's decode_/encode_exp_avg and _exp_avg_sq). Lists as
+// AdamFunctor's, then 7 exp_avg scales, 8 exp_avg_sq scales (one fp32 per
+// block of kState8Block; a chunk starts at a multiple of kChunk, so at a block
+// boundary). Each warp takes one block at a time, kPerLane elements a lane
+// (strided by the warp, so the accesses coalesce): decode, update and store
+// the param, keep the new moments (exp_avg_sq as r = sqrt(v)) in registers,
+// take the block's maxima across the warp (a NaN makes the scale NaN, as
+// torch.amax does), then encode.
+constexpr int kLists8 = 9;
+constexpr int kWarp = 32;
+constexpr int kPerLane = static_cast<int>(kState8Block) / kWarp;
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+    const float other = __shfl_xor_sync(0xFFFFFFFFu, x, offset);
+    x = x > other ? x : other;
+  }
+  return x;
+}
+
+template <Dtype P, WeightsKind K>
+struct Adam8Functor {
+  __device__ void operator()(const Meta<kLists8>& meta, int t, int64_t start, int64_t n, int,
+                             AdamHyper h, StepScale scale, bool zero_buffers, uint32_t seed) {
+    float* buffer = chunk_floats(meta, 2, t, start);
+    if (scale.skip()) {
+      if (zero_buffers) zero_chunk(buffer, n);
+      return;
+    }
+    const auto w = chunk_weights<P, K>(meta, t, start);
+    uint8_t* m_codes = static_cast<uint8_t*>(meta.addresses[3][t]) + start;
+    uint8_t* v_codes = static_cast<uint8_t*>(meta.addresses[4][t]) + start;
+    float* m_scales = chunk_floats(meta, 7, t, start / kState8Block);
+    float* v_scales = chunk_floats(meta, 8, t, start / kState8Block);
+    const SrChunk sr = chunk_draws(meta, t, start, seed);
+    const float step = *static_cast<const float*>(meta.addresses[6][t]);
+    const AdamStepScalars s = adam_bias_corrections(h, step);
+    const float gs = scale.scale();
+    const AdamFlags flags = adam_flags(h);
+    const int lane = static_cast<int>(threadIdx.x) % kWarp;
+    const int warps = static_cast<int>(blockDim.x) / kWarp;
+    const int64_t blocks = (n + kState8Block - 1) / kState8Block;
+    for (int64_t b = threadIdx.x / kWarp; b < blocks; b += warps) {
+      const float m_scale = m_scales[b];
+      const float v_scale = v_scales[b];
+      float m_new[kPerLane], r_new[kPerLane];
+      float m_max = 0.0f, r_max = 0.0f;
+      bool m_nan = false, r_nan = false;
+#pragma unroll
+      for (int k = 0; k < kPerLane; ++k) {
+        const int64_t i = b * kState8Block + k * kWarp + lane;
+        m_new[k] = 0.0f;
+        r_new[k] = 0.0f;
+        if (i >= n) continue;
+        float m = decode_exp_avg(m_codes[i], m_scale);
+        float v = decode_exp_avg_sq(v_codes[i], v_scale);
+        float v_max = 0.0f;
+        w.store(i, adam_update(w.load(i), gs * buffer[i], m, v, v_max, h, s, flags), sr);
+        const float r = sqrtf(v);
+        m_new[k] = m;
+        r_new[k] = r;
+        m_max = m_max > fabsf(m) ? m_max : fabsf(m);
+        r_max = r_max > r ? r_max : r;
+        m_nan |= m != m;
+        r_nan |= r != r;
+        if (zero_buffers) buffer[i] = 0.0f;
+      }
+      m_max = warp_max(m_max);
+      r_max = warp_max(r_max);
+      const float m_scale_new = __any_sync(0xFFFFFFFFu, m_nan) ? __int_as_float(0x7FC00000) : m_max;
+      const float r_scale_new = __any_sync(0xFFFFFFFFu, r_nan) ? __int_as_float(0x7FC00000) : r_max;
+      const float m_divisor = state8_divisor(m_scale_new);
+      const float r_divisor = state8_divisor(r_scale_new);
+#pragma unroll
+      for (int k = 0; k < kPerLane; ++k) {
+        const int64_t i = b * kState8Block + k * kWarp + lane;
+        if (i >= n) continue;
+        m_codes[i] = encode_exp_avg(m_new[k], m_divisor, sr_draw<1>(sr, i));
+        v_codes[i] = encode_exp_avg_sq(r_new[k], r_divisor, sr_draw<2>(sr, i));
+      }
+      if (lane == 0) {
+        m_scales[b] = m_scale_new;
+        v_scales[b] = r_scale_new;
+      }
+    }
+  }
+};
+
 void run_adam(const AdamArgs& a) {
   const c10::cuda::CUDAGuard guard(a.params[0].device());
   {
@@ -86,6 +175,18 @@ void run_adam(const AdamArgs& a) {
     for (const auto& s : a.state_steps) steps[0].push_back(s.data_ptr());
     multi_tensor_apply<1>(steps, std::vector<int64_t>(a.state_steps.size(), 1), {},
                           IncrementStep{}, a.scale.found_inf);
+  }
+  if (a.state8) {
+    for (const DtypeGroup& g :
+         group_by_dtype(a.params, {a.params, a.master_params, a.buffers, a.exp_avgs, a.exp_avg_sqs,
+                                   a.max_exp_avg_sqs, a.state_steps, a.exp_avg_scales, a.exp_avg_sq_scales})) {
+      with_step_kind(g, step_weights_kind(g.dtype, a.masters, a.sr), Dtype::kFloat32, [&](auto p, auto k, auto) {
+        multi_tensor_apply<kLists8>(g.pointers, g.numels, group_streams(g, a.sr),
+                                    Adam8Functor<decltype(p)::value, decltype(k)::value>{}, a.hyper, a.scale,
+                                    a.zero_buffers, a.sr.seed);
+      });
+    }
+    return;
   }
   for (const DtypeGroup& g : group_by_dtype(a.params, {a.params, a.master_params, a.buffers,
                                                       a.exp_avgs, a.exp_avg_sqs, a.max_exp_avg_sqs,

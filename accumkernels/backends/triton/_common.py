@@ -44,7 +44,8 @@ NUM_WARPS = 8
 OPTIONS = {} if INTERPRET else {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
 ALIGNMENT = 16  # bytes
 
-TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+# uint8: the codes of 8-bit optimizer state (accumkernels._state8), as a state dtype.
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.uint8: tl.uint8}
 
 _TABLES: OrderedDict = OrderedDict()
 _TABLES_KEPT = 256
@@ -138,6 +139,15 @@ def load_f32(ptr, offs, mask, dtype: tl.constexpr, MASKED: tl.constexpr):
         return (x.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     else:
         return x.to(tl.float32)
+
+
+@triton.jit
+def load(ptr, offs, mask, MASKED: tl.constexpr):
+    """Load values as stored (masked loads return 0 past the end)."""
+    if MASKED:
+        return tl.load(ptr + offs, mask=mask, other=0)
+    else:
+        return tl.load(ptr + offs)
 
 
 @triton.jit

@@ -223,3 +223,77 @@ def adam_update(
         v_hat = v_max
     denom = tl.div_rn(tl.sqrt_rn(v_hat), bias_correction2_sqrt) + eps
     return p - step_size * tl.div_rn(m, denom), m, v, v_max
+
+
+# ---- 8-bit state ----------------------------------------------------------------
+# formulas.h's 8-bit state functions (accumkernels/_state8.py states the format).
+STATE8_BLOCK = tl.constexpr(256)
+STATE8_MANTISSA_BITS = tl.constexpr(3)
+EMIN_EXP_AVG = tl.constexpr(-14)
+EMIN_EXP_AVG_SQ = tl.constexpr(-30)
+
+
+@triton.jit
+def state8_pow2(k):
+    """2^k (fp32) for int32 k in [-126, 127], from its bits."""
+    return ((k + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def state8_exponent(u, emin: tl.constexpr):
+    """max(emin, floor(log2 u)) from u's fp32 bits (emin for u = 0); int32."""
+    e = ((u.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    return tl.maximum(e, emin)
+
+
+@triton.jit
+def encode_magnitude(u, emin: tl.constexpr, random):
+    """The code (int32) of u in [0, 1], r = the low 16 bits of ``random`` / 2^16;
+    u * 2^(3 - e) + r >= 0, so the conversion's truncation is the floor."""
+    e = state8_exponent(u, emin)
+    r = (random & 0xFFFF).to(tl.int32).to(tl.float32) * 0.0000152587890625  # 2^-16
+    j = (u * state8_pow2(-e + STATE8_MANTISSA_BITS) + r).to(tl.int32)  # tensor first: constexpr - tensor is no tensor
+    return 8 * (e - emin) + j
+
+
+@triton.jit
+def decode_magnitude(code, emin: tl.constexpr):
+    """The value in [0, 1] (fp32) of an int32 code of encode_magnitude."""
+    e = tl.maximum((code >> 3) - 1, 0) + emin
+    j = code - 8 * (e - emin)
+    return j.to(tl.float32) * state8_pow2(e - STATE8_MANTISSA_BITS)
+
+
+@triton.jit
+def state8_divisor(scale):
+    """A block's scale as its encode's divisor: 1 for an all-zero block."""
+    return tl.where(scale > 0.0, scale, 1.0)
+
+
+@triton.jit
+def decode_exp_avg(code, scale):
+    """exp_avg's fp32 value of a uint8 code and its block's scale."""
+    c = code.to(tl.int32)
+    magnitude = decode_magnitude(c & 0x7F, EMIN_EXP_AVG) * scale
+    return tl.where((c & 0x80) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def encode_exp_avg(m, divisor, random):
+    """exp_avg's uint8 code of m, its block's divisor and 16 random bits."""
+    magnitude = (m.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    sign = tl.where(m < 0.0, 0x80, 0)
+    return (encode_magnitude(tl.div_rn(magnitude, divisor), EMIN_EXP_AVG, random) | sign).to(tl.uint8)
+
+
+@triton.jit
+def decode_exp_avg_sq(code, scale):
+    """exp_avg_sq's fp32 value (r * r) of a uint8 code and its block's scale."""
+    r = decode_magnitude(code.to(tl.int32), EMIN_EXP_AVG_SQ) * scale
+    return r * r
+
+
+@triton.jit
+def encode_exp_avg_sq(r, divisor, random):
+    """exp_avg_sq's uint8 code of r = sqrt(v), its block's divisor and 16 random bits."""
+    return encode_magnitude(tl.div_rn(r, divisor), EMIN_EXP_AVG_SQ, random).to(tl.uint8)

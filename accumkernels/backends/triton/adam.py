@@ -14,8 +14,9 @@ from ..._op_table import OPS
 from . import _common as c
 from . import _formulas as f
 
-# Lists: 0 param, 1 master, 2 buffer, 3 exp_avg, 4 exp_avg_sq, 5 max_exp_avg_sq, 6 step.
-LISTS = tl.constexpr(7)
+# Lists: 0 param, 1 master, 2 buffer, 3 exp_avg, 4 exp_avg_sq, 5 max_exp_avg_sq, 6 step,
+# 7 exp_avg scales, 8 exp_avg_sq scales (8-bit state; STATE_DTYPE uint8 means it).
+LISTS = tl.constexpr(9)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -25,6 +26,96 @@ def _increment_steps_kernel(table, T, found_inf_ptr, has_found_inf):
     if has_found_inf:
         keep = tl.load(found_inf_ptr) == 0.0
     tl.store(step, tl.load(step) + 1.0, mask=keep)
+
+
+@triton.jit
+def _adam8_block(
+    w,
+    g,
+    hp,
+    param,
+    master,
+    exp_avg,
+    exp_avg_sq,
+    m_scales,
+    v_scales,
+    offs,
+    n,
+    seed,
+    stream,
+    PARAM_DTYPE: tl.constexpr,
+    MASTER_KIND: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """8-bit state (formulas.h's decode_/encode_exp_avg and _exp_avg_sq): the
+    tile's blocks of 256 (a tile starts at a block boundary of its tensor) as
+    the rows of a 2-D view: decode, update, store the param, the new scales as
+    the rows' maxima (a NaN makes its row's scale NaN, as torch.amax), encode."""
+    (
+        step_size,
+        bias_correction2_sqrt,
+        eps,
+        weight_decay,
+        one_minus_beta1,
+        one_minus_beta2,
+        beta2_f,
+        adamw_decay,
+        adamw,
+        has_weight_decay,
+    ) = hp
+    TILE: tl.constexpr = offs.shape[0]
+    ROWS: tl.constexpr = TILE // f.STATE8_BLOCK
+    mask = offs < n
+    rows = tl.min(offs, axis=0) // f.STATE8_BLOCK + tl.arange(0, ROWS).to(tl.int64)
+    row_mask = rows < (n + f.STATE8_BLOCK - 1) // f.STATE8_BLOCK
+    m_scale = _per_element(c.load(m_scales, rows, row_mask, MASKED), ROWS, TILE)
+    v_scale = _per_element(c.load(v_scales, rows, row_mask, MASKED), ROWS, TILE)
+    m = f.decode_exp_avg(c.load(exp_avg, offs, mask, MASKED), m_scale)
+    v = f.decode_exp_avg_sq(c.load(exp_avg_sq, offs, mask, MASKED), v_scale)
+    w, m, v, _ = f.adam_update(
+        w,
+        g,
+        m,
+        v,
+        tl.zeros_like(g),
+        step_size,
+        bias_correction2_sqrt,
+        eps,
+        weight_decay,
+        one_minus_beta1,
+        one_minus_beta2,
+        beta2_f,
+        adamw_decay,
+        adamw,
+        has_weight_decay,
+        False,
+    )
+    r = tl.sqrt_rn(v)
+    m_new_scale = _row_max(tl.where(mask, tl.abs(m), 0.0), ROWS)
+    r_new_scale = _row_max(tl.where(mask, r, 0.0), ROWS)
+    m_divisor = _per_element(f.state8_divisor(m_new_scale), ROWS, TILE)
+    r_divisor = _per_element(f.state8_divisor(r_new_scale), ROWS, TILE)
+    c.store(exp_avg, offs, f.encode_exp_avg(m, m_divisor, f.sr_draw(seed, 1, stream, offs)), mask, MASKED)
+    c.store(exp_avg_sq, offs, f.encode_exp_avg_sq(r, r_divisor, f.sr_draw(seed, 2, stream, offs)), mask, MASKED)
+    c.store(m_scales, rows, m_new_scale, row_mask, MASKED)
+    c.store(v_scales, rows, r_new_scale, row_mask, MASKED)
+    c.store_weight(param, master, offs, w, mask, seed, stream, PARAM_DTYPE, MASTER_KIND, STOCHASTIC, MASKED)
+
+
+@triton.jit
+def _per_element(row_values, ROWS: tl.constexpr, TILE: tl.constexpr):
+    """A value per row of 256 as a value per element of the tile."""
+    return tl.reshape(tl.broadcast_to(tl.reshape(row_values, (ROWS, 1)), (ROWS, TILE // ROWS)), (TILE,))
+
+
+@triton.jit
+def _row_max(x, ROWS: tl.constexpr):
+    """The maximum of each row of 256 of the tile ``x`` (>= 0), NaN where the row holds a NaN."""
+    rows = tl.reshape(x, (ROWS, x.shape[0] // ROWS))
+    has_nan = tl.max((rows != rows).to(tl.int32), axis=1) != 0
+    nan = tl.full((ROWS,), 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+    return tl.where(has_nan, nan, tl.max(rows, axis=1))
 
 
 @triton.jit
@@ -43,7 +134,7 @@ def _adam_block(
     AMSGRAD: tl.constexpr,
     MASKED: tl.constexpr,
 ):
-    param, master, buffer, exp_avg, exp_avg_sq, max_sq = ptrs
+    param, master, buffer, exp_avg, exp_avg_sq, max_sq, m_scales, v_scales = ptrs
     (
         step_size,
         bias_correction2_sqrt,
@@ -59,34 +150,55 @@ def _adam_block(
     mask = offs < n
     g = gs * c.load_f32(buffer, offs, mask, tl.float32, MASKED)
     w = c.load_weight(param, master, offs, mask, PARAM_DTYPE, MASTER_KIND, MASKED)
-    m = c.load_f32(exp_avg, offs, mask, STATE_DTYPE, MASKED)
-    v = c.load_f32(exp_avg_sq, offs, mask, STATE_DTYPE, MASKED)
-    v_max = tl.zeros_like(g)
-    if AMSGRAD:
-        v_max = c.load_f32(max_sq, offs, mask, STATE_DTYPE, MASKED)
-    w, m, v, v_max = f.adam_update(
-        w,
-        g,
-        m,
-        v,
-        v_max,
-        step_size,
-        bias_correction2_sqrt,
-        eps,
-        weight_decay,
-        one_minus_beta1,
-        one_minus_beta2,
-        beta2_f,
-        adamw_decay,
-        adamw,
-        has_weight_decay,
-        AMSGRAD,
-    )
-    c.store_state(exp_avg, offs, m, mask, seed, 1, stream, STATE_DTYPE, MASKED)
-    c.store_state(exp_avg_sq, offs, v, mask, seed, 2, stream, STATE_DTYPE, MASKED)
-    if AMSGRAD:
-        c.store_state(max_sq, offs, v_max, mask, seed, 3, stream, STATE_DTYPE, MASKED)
-    c.store_weight(param, master, offs, w, mask, seed, stream, PARAM_DTYPE, MASTER_KIND, STOCHASTIC, MASKED)
+    if STATE_DTYPE == tl.uint8:
+        _adam8_block(
+            w,
+            g,
+            hp,
+            param,
+            master,
+            exp_avg,
+            exp_avg_sq,
+            m_scales,
+            v_scales,
+            offs,
+            n,
+            seed,
+            stream,
+            PARAM_DTYPE,
+            MASTER_KIND,
+            STOCHASTIC,
+            MASKED,
+        )
+    else:
+        m = c.load_f32(exp_avg, offs, mask, STATE_DTYPE, MASKED)
+        v = c.load_f32(exp_avg_sq, offs, mask, STATE_DTYPE, MASKED)
+        v_max = tl.zeros_like(g)
+        if AMSGRAD:
+            v_max = c.load_f32(max_sq, offs, mask, STATE_DTYPE, MASKED)
+        w, m, v, v_max = f.adam_update(
+            w,
+            g,
+            m,
+            v,
+            v_max,
+            step_size,
+            bias_correction2_sqrt,
+            eps,
+            weight_decay,
+            one_minus_beta1,
+            one_minus_beta2,
+            beta2_f,
+            adamw_decay,
+            adamw,
+            has_weight_decay,
+            AMSGRAD,
+        )
+        c.store_state(exp_avg, offs, m, mask, seed, 1, stream, STATE_DTYPE, MASKED)
+        c.store_state(exp_avg_sq, offs, v, mask, seed, 2, stream, STATE_DTYPE, MASKED)
+        if AMSGRAD:
+            c.store_state(max_sq, offs, v_max, mask, seed, 3, stream, STATE_DTYPE, MASKED)
+        c.store_weight(param, master, offs, w, mask, seed, stream, PARAM_DTYPE, MASTER_KIND, STOCHASTIC, MASKED)
 
 
 @triton.jit(do_not_specialize=["T", "C", "seed"])
@@ -127,6 +239,8 @@ def _adam_kernel(
         c.pointer(table, 3, T, t, STATE_DTYPE, ALIGNED),
         c.pointer(table, 4, T, t, STATE_DTYPE, ALIGNED),
         c.pointer(table, 5, T, t, STATE_DTYPE, ALIGNED),
+        c.pointer(table, 7, T, t, tl.float32, ALIGNED),
+        c.pointer(table, 8, T, t, tl.float32, ALIGNED),
     )
     step = tl.load(c.pointer(table, 6, T, t, tl.float32, False))
     step_size, bias_correction2_sqrt = f.adam_bias_corrections(
@@ -178,6 +292,8 @@ def _adam(
     max_exp_avg_sqs,
     state_steps,
     master_params,
+    exp_avg_scales,
+    exp_avg_sq_scales,
     lr,
     beta1,
     beta2,
@@ -200,7 +316,17 @@ def _adam(
         scalars = torch.tensor([lr, beta1, beta2], dtype=torch.float64)
         if device.type == "cuda":
             scalars = scalars.pin_memory().to(device, non_blocking=True)
-        lists = [params, master_params, buffers, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps]
+        lists = [
+            params,
+            master_params,
+            buffers,
+            exp_avgs,
+            exp_avg_sqs,
+            max_exp_avg_sqs,
+            state_steps,
+            exp_avg_scales,
+            exp_avg_sq_scales,
+        ]
         state_dtype = exp_avgs[0].dtype
         for dtype, table, count, chunks, aligned in c.param_dtype_launches(params, lists, positions):
             _adam_kernel[(chunks,)](
@@ -253,11 +379,6 @@ def _define(name, adamw):
         seed: int,
         positions: list[int],
     ) -> None:
-        if exp_avg_scales or exp_avg_sq_scales:
-            raise NotImplementedError(
-                f"accumkernels_triton::{name}: 8-bit optimizer state (exp_avg_scales, exp_avg_sq_scales) is not "
-                "implemented in the Triton kernels yet; use backend='reference'"
-            )
         _adam(
             adamw,
             params,
@@ -267,6 +388,8 @@ def _define(name, adamw):
             max_exp_avg_sqs,
             state_steps,
             master_params,
+            exp_avg_scales,
+            exp_avg_sq_scales,
             lr,
             beta1,
             beta2,

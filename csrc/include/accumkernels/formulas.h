@@ -282,6 +282,67 @@ struct State {
   AK_HD void store(int64_t i, float x, const SrChunk& sr) const { data[i] = round(i, x, sr); }
 };
 
+// ---- 8-bit state ------------------------------------------------------------
+// accumkernels/_state8.py states the format and why; these are its functions,
+// by the same names, in the same fp32 operations and order. A block is
+// kState8Block consecutive elements of a state tensor in memory order, with
+// one fp32 scale; the kernels encode a block once all its new values exist.
+constexpr int64_t kState8Block = 256;
+constexpr int32_t kState8MantissaBits = 3;
+constexpr int32_t kEminExpAvg = -14;
+constexpr int32_t kEminExpAvgSq = -30;
+
+// 2^k for an int k in [-126, 127], from its bits.
+AK_HD float state8_pow2(int32_t k) { return bits_float(static_cast<uint32_t>(k + 127) << 23); }
+
+// max(emin, floor(log2 u)) from u's fp32 bits (emin for u = 0).
+AK_HD int32_t state8_exponent(float u, int32_t emin) {
+  const int32_t e = static_cast<int32_t>((float_bits(u) >> 23) & 0xFFu) - 127;
+  return e > emin ? e : emin;
+}
+
+// The code of u in [0, 1]: r = random / 2^16 (the low 16 bits of `random`).
+// u * 2^(3 - e) + r >= 0, so the conversion's truncation is the floor.
+AK_HD uint32_t encode_magnitude(float u, int32_t emin, uint32_t random) {
+  const int32_t e = state8_exponent(u, emin);
+  const float r = static_cast<float>(static_cast<int32_t>(random & 0xFFFFu)) * 0x1.0p-16f;
+  const int32_t j = static_cast<int32_t>(u * state8_pow2(kState8MantissaBits - e) + r);
+  return static_cast<uint32_t>(8 * (e - emin) + j);
+}
+
+// The value in [0, 1] of a code of encode_magnitude.
+AK_HD float decode_magnitude(uint32_t code, int32_t emin) {
+  const int32_t binade = static_cast<int32_t>(code >> 3) - 1;
+  const int32_t e = emin + (binade > 0 ? binade : 0);
+  const int32_t j = static_cast<int32_t>(code) - 8 * (e - emin);
+  return static_cast<float>(j) * state8_pow2(e - kState8MantissaBits);
+}
+
+// A block's scale (max |m| of exp_avg, max sqrt(v) of exp_avg_sq) as the
+// divisor of its encode: 1 for an all-zero block.
+AK_HD float state8_divisor(float scale) { return scale > 0.0f ? scale : 1.0f; }
+
+AK_HD float decode_exp_avg(uint8_t code, float scale) {
+  const float magnitude = decode_magnitude(code & 0x7Fu, kEminExpAvg) * scale;
+  return (code & 0x80u) != 0 ? -magnitude : magnitude;
+}
+
+AK_HD uint8_t encode_exp_avg(float m, float divisor, uint32_t random) {
+  const float magnitude = bits_float(float_bits(m) & 0x7FFFFFFFu);
+  const uint32_t sign = m < 0.0f ? 0x80u : 0u;
+  return static_cast<uint8_t>(encode_magnitude(magnitude / divisor, kEminExpAvg, random) | sign);
+}
+
+// exp_avg_sq is stored as r = sqrt(v): the kernels take r's block max.
+AK_HD float decode_exp_avg_sq(uint8_t code, float scale) {
+  const float r = decode_magnitude(code, kEminExpAvgSq) * scale;
+  return r * r;
+}
+
+AK_HD uint8_t encode_exp_avg_sq(float r, float divisor, uint32_t random) {
+  return static_cast<uint8_t>(encode_magnitude(r / divisor, kEminExpAvgSq, random));
+}
+
 // ---- per-step scalars -----------------------------------------------------
 // g = grad_scale * grad_scale_tensor[0] * buffer, and the update is skipped
 // when found_inf[0] != 0. The pointers are host memory on the CPU and device
