@@ -132,12 +132,16 @@ void adam_loop(const W& weights_in, const M& m_in, const V& v_in, const VMax& v_
   }
 }
 
-// 8-bit state (formulas.h's decode_/encode_exp_avg and _exp_avg_sq): each
-// block is decoded, updated and its param stored in one pass that keeps the
-// new moments (exp_avg_sq as r = sqrt(v)) in fp32 locals and takes their
-// block maxima, the new scales; a second pass encodes them. A NaN makes its
-// block's scale NaN (as torch.amax does: the max reduction alone could drop
-// it, and the block would decode to finite values).
+// 8-bit state (formulas.h's decode_/encode_exp_avg and _exp_avg_sq), block by
+// block in three loops over fp32 locals: decode the old moments; update them,
+// step and store the param, and take the new moments' block maxima (exp_avg_sq
+// as r = sqrt(v)), the new scales; encode. A NaN makes its block's scale NaN
+// (as torch.amax does: the max reduction alone could drop it, and the block
+// would decode to finite values). Why three loops, not one: a loop that reads
+// uint8 codes is vectorized at 64 lanes, and with the whole update in it its
+// fp32 values no longer fit the registers (measured 1.25x slower); and the
+// loops index from the block's start with 32-bit k, as 64-bit index vectors
+// spill too.
 template <typename Flags, bool kZero, typename W>
 void adam8_loop(const W& weights_in, const SrChunk& sr_in, const AdamChunk& c, float grad_scale,
                 const AdamHyper& hyper) {
@@ -145,48 +149,55 @@ void adam8_loop(const W& weights_in, const SrChunk& sr_in, const AdamChunk& c, f
   const AdamHyper h = hyper;
   const W w = weights_in;
   const SrChunk sr = sr_in;
-  float* AK_RESTRICT buffer = c.buffer;
-  uint8_t* AK_RESTRICT m_codes = static_cast<uint8_t*>(c.exp_avg);
-  uint8_t* AK_RESTRICT v_codes = static_cast<uint8_t*>(c.exp_avg_sq);
   const AdamStepScalars s = c.scalars;
-  alignas(64) float m_new[kState8Block];
-  alignas(64) float r_new[kState8Block];
+  alignas(64) float m_block[kState8Block];  // exp_avg: old, then new
+  alignas(64) float v_block[kState8Block];  // exp_avg_sq: old v, then new r = sqrt(v)
+  alignas(64) uint32_t draws[kState8Block];  // of rounding slots 1 and 2
   for (int64_t b = 0; b * kState8Block < c.n; ++b) {
     const int64_t first = b * kState8Block;
-    const int64_t n = c.n - first < kState8Block ? c.n - first : kState8Block;
+    const int32_t n = static_cast<int32_t>(c.n - first < kState8Block ? c.n - first : kState8Block);
+    const W wb = w.at(first);
+    const SrChunk srb{sr.first_low + static_cast<uint32_t>(first), sr.key0, sr.key1};
+    float* AK_RESTRICT buffer = c.buffer + first;
+    uint8_t* AK_RESTRICT m_codes = static_cast<uint8_t*>(c.exp_avg) + first;
+    uint8_t* AK_RESTRICT v_codes = static_cast<uint8_t*>(c.exp_avg_sq) + first;
     const float m_scale = c.exp_avg_scales[b];
     const float v_scale = c.exp_avg_sq_scales[b];
+#pragma omp simd
+    for (int32_t k = 0; k < n; ++k) {
+      m_block[k] = decode_exp_avg(m_codes[k], m_scale);
+      v_block[k] = decode_exp_avg_sq(v_codes[k], v_scale);
+    }
     float m_max = 0.0f;
     float r_max = 0.0f;
     uint32_t m_nan = 0;
     uint32_t r_nan = 0;
 #pragma omp simd reduction(max : m_max, r_max) reduction(| : m_nan, r_nan)
-    for (int64_t k = 0; k < n; ++k) {
-      const int64_t i = first + k;
-      const float g = grad_scale * buffer[i];
-      float m = decode_exp_avg(m_codes[i], m_scale);
-      float v = decode_exp_avg_sq(v_codes[i], v_scale);
+    for (int32_t k = 0; k < n; ++k) {
+      const float g = grad_scale * buffer[k];
+      float m = m_block[k];
+      float v = v_block[k];
       float v_max = 0.0f;
-      w.store(i, adam_update(w.load(i), g, m, v, v_max, h, s, flags), sr);
+      wb.store(k, adam_update(wb.load(k), g, m, v, v_max, h, s, flags), srb);
       const float m_abs = bits_float(float_bits(m) & 0x7FFFFFFFu);
       const float r = __builtin_sqrtf(v);
-      m_new[k] = m;
-      r_new[k] = r;
+      m_block[k] = m;
+      v_block[k] = r;
+      draws[k] = sr_draws_1_2(srb, k);
       m_max = m_max > m_abs ? m_max : m_abs;
       r_max = r_max > r ? r_max : r;
       m_nan |= m != m ? 1u : 0u;
       r_nan |= r != r ? 1u : 0u;
-      if (kZero) buffer[i] = 0.0f;
+      if (kZero) buffer[k] = 0.0f;
     }
     const float m_scale_new = m_nan != 0 ? bits_float(0x7FC00000u) : m_max;
     const float r_scale_new = r_nan != 0 ? bits_float(0x7FC00000u) : r_max;
     const float m_divisor = state8_divisor(m_scale_new);
     const float r_divisor = state8_divisor(r_scale_new);
 #pragma omp simd
-    for (int64_t k = 0; k < n; ++k) {
-      const int64_t i = first + k;
-      m_codes[i] = encode_exp_avg(m_new[k], m_divisor, sr_draw<1>(sr, i));
-      v_codes[i] = encode_exp_avg_sq(r_new[k], r_divisor, sr_draw<2>(sr, i));
+    for (int32_t k = 0; k < n; ++k) {
+      m_codes[k] = encode_exp_avg(m_block[k], m_divisor, draws[k]);
+      v_codes[k] = encode_exp_avg_sq(v_block[k], r_divisor, draws[k] >> sr_slot_shift(2));
     }
     c.exp_avg_scales[b] = m_scale_new;
     c.exp_avg_sq_scales[b] = r_scale_new;

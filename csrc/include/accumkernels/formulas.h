@@ -161,6 +161,13 @@ AK_HD uint32_t sr_draw(const SrChunk& c, int64_t i) {
   return sr_finish(c.first_low + static_cast<uint32_t>(i), key) >> sr_slot_shift(kSlot);
 }
 
+// Slots 1 and 2's shared hash for element first + i of the chunk: sr_draw<1>
+// is its low 16 bits, sr_draw<2> = this >> sr_slot_shift(2), for a loop that
+// keeps the draws of an element to use later.
+AK_HD uint32_t sr_draws_1_2(const SrChunk& c, int64_t i) {
+  return sr_finish(c.first_low + static_cast<uint32_t>(i), c.key1);
+}
+
 // ---- param remainders -----------------------------------------------------
 // A bf16 param and an int16 remainder hold an fp32 master weight bit for bit
 // (Transformer Engine's store_param_remainders): the remainder is the master's
@@ -259,6 +266,12 @@ struct Weights {
     }
   }
   AK_HD void store(int64_t i, float w, const SrChunk& sr) const { param[i] = round(i, w, sr); }
+  // The same weights from element `first` on.
+  AK_HD Weights at(int64_t first) const {
+    if constexpr (K == WeightsKind::kMaster) return {param + first, masters() + first};
+    if constexpr (K == WeightsKind::kRemainder) return {param + first, remainders() + first};
+    return {param + first, master};
+  }
 };
 
 // ---- optimizer state ------------------------------------------------------
