@@ -36,7 +36,9 @@ _ADAM_MUTATES = (
 
 OPS: dict[str, Op] = {
     "accumulate_": Op(("buffers", "found_inf"), None),
-    "sgd_step_and_zero_": Op(("params", "buffers", "momentum_buffers", "master_params"), None),
+    "sgd_step_and_zero_": Op(
+        ("params", "buffers", "momentum_buffers", "master_params", "momentum_buffer_scales"), None
+    ),
     "adam_step_and_zero_": Op(_ADAM_MUTATES, None),
     "adamw_step_and_zero_": Op(_ADAM_MUTATES, None),
     "grad_norm": Op((), "scalar"),

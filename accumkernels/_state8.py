@@ -4,12 +4,13 @@ A state tensor of n elements is cut, in its memory order, into blocks of
 ``BLOCK`` = 256 elements (the last one shorter). Each block keeps one fp32
 scale, each element one uint8 code (1 + 4/256 bytes an element):
 
-==============  =====================================  ===============================
-state           stored                                 code
-==============  =====================================  ===============================
-``exp_avg``     m, signed: scale = max |m| (block)     ``sign << 7 | c(|m| / scale, -14)``
-``exp_avg_sq``  r = sqrt(v): scale = max r (block)     ``c(r / scale, -30)``
-==============  =====================================  ===============================
+===================  =====================================  ===============================
+state                stored                                 code
+===================  =====================================  ===============================
+``exp_avg``          m, signed: scale = max |m| (block)     ``sign << 7 | c(|m| / scale, -14)``
+``exp_avg_sq``       r = sqrt(v): scale = max r (block)     ``c(r / scale, -30)``
+``momentum_buffer``  b (SGD), signed, as ``exp_avg``        ``sign << 7 | c(|b| / scale, -14)``
+===================  =====================================  ===============================
 
 ``c(u, emin)`` puts ``u`` in [0, 1] on a grid of 3 mantissa bits per binade
 from 2^emin up to 1, evenly spaced below 2^emin down to 0 (as subnormals)::
@@ -156,15 +157,17 @@ def decode_exp_avg_sq(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     return r * r
 
 
-# The optimizer state keys each moment is kept under (torch.optim's names).
-MOMENTS = ("exp_avg", "exp_avg_sq")
+# The optimizer state keys kept in 8 bits (torch.optim's names). SGD's
+# momentum_buffer is signed and moves as exp_avg does (a moving sum of
+# gradients): it is stored as exp_avg is.
+MOMENTS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 
 
 def encode_moment(key: str, values: torch.Tensor, like: torch.Tensor, random: torch.Tensor | None):
-    """encode_exp_avg or encode_exp_avg_sq, by the state key."""
-    return (encode_exp_avg if key == "exp_avg" else encode_exp_avg_sq)(values, like, random)
+    """encode_exp_avg_sq for exp_avg_sq, else encode_exp_avg, by the state key."""
+    return (encode_exp_avg_sq if key == "exp_avg_sq" else encode_exp_avg)(values, like, random)
 
 
 def decode_moment(key: str, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """decode_exp_avg or decode_exp_avg_sq, by the state key."""
-    return (decode_exp_avg if key == "exp_avg" else decode_exp_avg_sq)(codes, scales)
+    """decode_exp_avg_sq for exp_avg_sq, else decode_exp_avg, by the state key."""
+    return (decode_exp_avg_sq if key == "exp_avg_sq" else decode_exp_avg)(codes, scales)

@@ -206,13 +206,29 @@ def _scalar_tensors(args: dict) -> dict:
     return {"grad_scale": args["grad_scale_tensor"], "found_inf": args["found_inf"]}
 
 
-def _check_momentum_buffers(op, momentum_buffers, params, momentum) -> None:
+def _check_8bit_scales(op, scales, name, params) -> None:
+    """8-bit state: one fp32 scale per block of 256 of each param."""
+    checks.check_length(op, scales, name, len(params), "8-bit state: one scale tensor per param")
+    for i, (sc, p) in enumerate(zip(scales, params)):
+        checks.check_tensor(op, sc, name, i, p.device, checks.F32)
+        if sc.numel() != scales_numel(p.numel()):
+            raise ValueError(
+                f"{op}: {name}[{i}] has {sc.numel()} elements; expected {scales_numel(p.numel())} (one "
+                f"per block of 256 of params[{i}]'s {p.numel()})"
+            )
+
+
+def _check_momentum_buffers(op, momentum_buffers, momentum_buffer_scales, params, momentum) -> None:
     if momentum == 0:
         checks.check_length(op, momentum_buffers, "momentum_buffers", 0, "momentum is 0: pass None")
-        return
-    _check_state(op, momentum_buffers, "momentum_buffers", params, checks.first_dtype(momentum_buffers))
-    if checks.first_dtype(momentum_buffers) == torch.uint8:
-        raise TypeError(f"{op}: momentum_buffers are uint8; 8-bit state is for Adam and AdamW so far")
+    else:
+        _check_state(op, momentum_buffers, "momentum_buffers", params, checks.first_dtype(momentum_buffers))
+    if momentum != 0 and checks.first_dtype(momentum_buffers) == torch.uint8:
+        _check_8bit_scales(op, momentum_buffer_scales, "momentum_buffer_scales", params)
+    else:
+        checks.check_length(
+            op, momentum_buffer_scales, "momentum_buffer_scales", 0, "the momentum buffers are not 8-bit: pass None"
+        )
 
 
 def sgd_step_and_zero_(
@@ -230,6 +246,7 @@ def sgd_step_and_zero_(
     grad_scale: float | torch.Tensor = 1.0,
     found_inf: torch.Tensor | None = None,
     master_params: Tensors | None = None,
+    momentum_buffer_scales: Tensors | None = None,
     zero_buffers: bool = True,
     stochastic_rounding: bool = False,
     seed: int = 0,
@@ -257,7 +274,11 @@ def sgd_step_and_zero_(
         params: fp32, bf16 or fp16 tensors, updated in place.
         buffers: the fp32 gradient sums, one per param, laid out like it.
         momentum_buffers: the state ``b``, one per param, all fp32 or all bf16
-            (bf16: rounded stochastically, see below); required iff momentum != 0.
+            (bf16: rounded stochastically, see below) or all uint8: 8-bit codes
+            with block scales as Adam's exp_avg (accumkernels._state8; encoded
+            stochastically with the bits of rounding slot 1), then with
+            ``momentum_buffer_scales``, one fp32 tensor of ceil(numel / 256)
+            elements per param; required iff momentum != 0.
         grad_scale: float or 1-element fp32 device tensor multiplying the
             buffers (it can carry 1/N, 1/num_items, 1/loss_scale and a clip
             coefficient at once).
@@ -286,11 +307,13 @@ def sgd_step_and_zero_(
     """
     op = "accumkernels.sgd_step_and_zero_"
     trusted = isinstance(backend, Prepared)
-    momentum_buffers = (
-        list(momentum_buffers or ())
-        if trusted
-        else checks.as_tensor_list(op, momentum_buffers, "momentum_buffers", optional=True)
-    )
+    if trusted:
+        momentum_buffers, momentum_buffer_scales = list(momentum_buffers or ()), list(momentum_buffer_scales or ())
+    else:
+        momentum_buffers = checks.as_tensor_list(op, momentum_buffers, "momentum_buffers", optional=True)
+        momentum_buffer_scales = checks.as_tensor_list(
+            op, momentum_buffer_scales, "momentum_buffer_scales", optional=True
+        )
     lr = checks.check_number(op, lr, "lr", low=0.0)
     momentum = checks.check_number(op, momentum, "momentum", low=0.0)
     dampening = checks.check_number(op, dampening, "dampening")
@@ -313,7 +336,7 @@ def sgd_step_and_zero_(
     )
     params = args.get("params", [])
     if not trusted:
-        _check_momentum_buffers(op, momentum_buffers, params, momentum)
+        _check_momentum_buffers(op, momentum_buffers, momentum_buffer_scales, params, momentum)
     if not params:
         return
     if not trusted:
@@ -324,12 +347,14 @@ def sgd_step_and_zero_(
                 "buffers": args["buffers"],
                 "momentum_buffers": momentum_buffers,
                 "master_params": args["master_params"],
+                "momentum_buffer_scales": momentum_buffer_scales,
             },
             _scalar_tensors(args),
         )
     _backend(backend, params[0].device).sgd_step_and_zero_(
         **args,
         momentum_buffers=momentum_buffers,
+        momentum_buffer_scales=momentum_buffer_scales,
         lr=lr,
         momentum=momentum,
         dampening=dampening,
@@ -395,14 +420,7 @@ def _check_adam_tensors(
         if amsgrad:
             raise ValueError(f"{op}: amsgrad with 8-bit state (uint8 exp_avgs) is not supported")
         for name, scales in (("exp_avg_scales", exp_avg_scales), ("exp_avg_sq_scales", exp_avg_sq_scales)):
-            checks.check_length(op, scales, name, len(params), "8-bit state: one scale tensor per param")
-            for i, (sc, p) in enumerate(zip(scales, params)):
-                checks.check_tensor(op, sc, name, i, p.device, checks.F32)
-                if sc.numel() != scales_numel(p.numel()):
-                    raise ValueError(
-                        f"{op}: {name}[{i}] has {sc.numel()} elements; expected {scales_numel(p.numel())} (one "
-                        f"per block of 256 of params[{i}]'s {p.numel()})"
-                    )
+            _check_8bit_scales(op, scales, name, params)
     else:
         checks.check_length(op, exp_avg_scales, "exp_avg_scales", 0, "the state is not 8-bit: pass None")
         checks.check_length(op, exp_avg_sq_scales, "exp_avg_sq_scales", 0, "the state is not 8-bit: pass None")

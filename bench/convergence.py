@@ -391,13 +391,18 @@ def plot(payload: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def run(setting: str, progress=print) -> dict:
+def run(setting: str, progress=print, recipes: list[str] | None = None, n_micro_only: int | None = None) -> dict:
+    """The setting's runs; ``recipes``, ``n_micro_only``: only these rows (each as in the whole run)."""
     windows, seeds, axis = SETTINGS[setting]
     data = corpus()
     eval_every = max(1, windows // 20)
     runs, skipped = [], {}
     for n_micro, names in axis.items():
+        if n_micro_only is not None and n_micro != n_micro_only:
+            continue
         for name in names:
+            if recipes is not None and name not in recipes:
+                continue
             recipe = RECIPES[name]
             if not _available(recipe):
                 skipped[name] = f"{recipe.needs} is not installed"
@@ -423,6 +428,8 @@ def run(setting: str, progress=print) -> dict:
         "runs": runs,
         "rows": summarize(runs),
         "skipped": skipped,
+        "recipes": recipes,
+        "n_micro_only": n_micro_only,
     }
     return payload
 
@@ -432,15 +439,28 @@ def main(argv=None) -> int:
     parser.add_argument("--full", action="store_true", help="300 windows, N = 8, 32 and 64")
     parser.add_argument("--quick", action="store_true", help="a few windows (the tests' smoke run)")
     parser.add_argument("--results-dir", default=None, help="default bench/results/local/")
+    parser.add_argument(
+        "--recipes",
+        default=None,
+        help=f"comma-separated: only these rows of the setting, written to convergence-<setting>-<recipes>.json "
+        f"(of {', '.join(RECIPES)})",
+    )
+    parser.add_argument("--n-micro", type=int, default=None, help="only the rows of this window length N")
     args = parser.parse_args(argv)
     setting = "full" if args.full else "quick" if args.quick else "default"
+    recipes = None if args.recipes is None else args.recipes.split(",")
+    unknown = sorted(set(recipes or ()) - set(RECIPES))
+    if unknown:
+        parser.error(f"--recipes: unknown {unknown}")
     print(f"convergence benchmark ({setting}), commit {common.git_commit()}", flush=True)
-    payload = run(setting, progress=lambda s: print(s, flush=True))
+    payload = run(setting, progress=lambda s: print(s, flush=True), recipes=recipes, n_micro_only=args.n_micro)
     print()
     print(common.table(payload["rows"], TABLE))
     for name, why in payload["skipped"].items():
         print(f"not run: {name}: {why}")
-    path = common.write_results(f"convergence-{setting}", payload, args.results_dir)
+    name = f"convergence-{setting}" + ("" if recipes is None else "-" + "+".join(recipes))
+    name += "" if args.n_micro is None else f"-n{args.n_micro}"
+    path = common.write_results(name, payload, args.results_dir)
     try:
         plot(payload, path.with_suffix(".png"))
         print(f"wrote {path} and {path.with_suffix('.png')}")

@@ -9,7 +9,6 @@
 
 #include <initializer_list>
 #include <optional>
-#include <utility>
 
 #include "accumkernels/formulas.h"
 
@@ -158,10 +157,23 @@ inline void check_state(const char* op, at::TensorList state, const char* name,
   }
 }
 
+// 8-bit state: one fp32 tensor of block scales per param, a scale per block of 256.
+inline void check_state8_scales(const char* op, at::TensorList scales, const char* name,
+                                at::TensorList params) {
+  check_length(op, scales, name, params.size(), "8-bit state: one scale tensor per param");
+  for (size_t i = 0; i < params.size(); ++i) {
+    check_tensor(op, scales[i], name, i, params[0].device(), {at::kFloat});
+    const int64_t blocks = (params[i].numel() + kState8Block - 1) / kState8Block;
+    TORCH_CHECK_VALUE(scales[i].numel() == blocks, op, ": ", name, "[", i, "] has ", scales[i].numel(),
+                      " elements; expected ", blocks, " (one per block of 256 of params[", i, "])");
+  }
+}
+
 // Everything an SGD step checks before it touches memory.
 inline void check_sgd_arguments(const char* op, at::TensorList params, at::TensorList buffers,
                                 at::TensorList momentum_buffers, at::TensorList master_params,
-                                double momentum, bool stochastic_rounding,
+                                at::TensorList momentum_buffer_scales, double momentum,
+                                bool stochastic_rounding,
                                 c10::ArrayRef<int64_t> positions,
                                 const std::optional<at::Tensor>& grad_scale_tensor,
                                 const std::optional<at::Tensor>& found_inf) {
@@ -170,10 +182,13 @@ inline void check_sgd_arguments(const char* op, at::TensorList params, at::Tenso
   check_positions(op, positions, params.size());
   if (momentum != 0.0) {
     check_state(op, momentum_buffers, "momentum_buffers", params, state_dtype_of(momentum_buffers));
-    TORCH_CHECK_TYPE(state_dtype_of(momentum_buffers) != at::kByte, op,
-                     ": momentum_buffers are uint8, but SGD has no 8-bit state; pass float32 or bfloat16");
   } else {
     check_length(op, momentum_buffers, "momentum_buffers", 0, "momentum is 0");
+  }
+  if (momentum != 0.0 && state_dtype_of(momentum_buffers) == at::kByte) {
+    check_state8_scales(op, momentum_buffer_scales, "momentum_buffer_scales", params);
+  } else {
+    check_length(op, momentum_buffer_scales, "momentum_buffer_scales", 0, "the momentum buffers are not 8-bit");
   }
   if (params.empty()) return;
   check_scalar_tensor(op, grad_scale_tensor, "grad_scale_tensor", params[0].device());
@@ -197,17 +212,8 @@ inline void check_adam_arguments(const char* op, at::TensorList params, at::Tens
   check_state(op, exp_avg_sqs, "exp_avg_sqs", params, state_dtype);
   if (state_dtype == at::kByte) {  // 8-bit state: codes and one fp32 scale per block of 256
     TORCH_CHECK_VALUE(!amsgrad, op, ": amsgrad with 8-bit state (uint8 exp_avgs) is not supported");
-    for (const auto& [scales, name] : {std::pair{exp_avg_scales, "exp_avg_scales"},
-                                       std::pair{exp_avg_sq_scales, "exp_avg_sq_scales"}}) {
-      check_length(op, scales, name, params.size(), "8-bit state: one scale tensor per param");
-      for (size_t i = 0; i < params.size(); ++i) {
-        check_tensor(op, scales[i], name, i, params[0].device(), {at::kFloat});
-        const int64_t blocks = (params[i].numel() + kState8Block - 1) / kState8Block;
-        TORCH_CHECK_VALUE(scales[i].numel() == blocks, op, ": ", name, "[", i, "] has ",
-                          scales[i].numel(), " elements; expected ", blocks,
-                          " (one per block of 256 of params[", i, "])");
-      }
-    }
+    check_state8_scales(op, exp_avg_scales, "exp_avg_scales", params);
+    check_state8_scales(op, exp_avg_sq_scales, "exp_avg_sq_scales", params);
   } else {
     check_length(op, exp_avg_scales, "exp_avg_scales", 0, "the state is not 8-bit");
     check_length(op, exp_avg_sq_scales, "exp_avg_sq_scales", 0, "the state is not 8-bit");

@@ -72,9 +72,10 @@ struct AccumulateArgs {
 };
 
 struct SgdArgs {
-  at::TensorList params, buffers, momentum_buffers, master_params;
+  at::TensorList params, buffers, momentum_buffers, master_params, momentum_buffer_scales;
   Masters masters;
-  Dtype state_dtype;
+  Dtype state_dtype;  // fp32 when state8
+  bool state8;        // uint8 codes with block scales (formulas.h's 8-bit state)
   SgdHyper hyper;
   Momentum momentum;
   StepScale scale;
@@ -108,19 +109,21 @@ void accumulate_entry(at::TensorList buffers, at::TensorList grads, double scale
 
 template <void (*Run)(const SgdArgs&)>
 void sgd_entry(at::TensorList params, at::TensorList buffers, at::TensorList momentum_buffers,
-               at::TensorList master_params, double lr, double momentum, double dampening,
+               at::TensorList master_params, at::TensorList momentum_buffer_scales, double lr,
+               double momentum, double dampening,
                double weight_decay, bool nesterov, bool is_first_step, double grad_scale,
                const std::optional<at::Tensor>& grad_scale_tensor,
                const std::optional<at::Tensor>& found_inf, bool zero_buffers,
                bool stochastic_rounding, int64_t seed, c10::ArrayRef<int64_t> positions) {
   check_sgd_arguments("accumkernels::sgd_step_and_zero_", params, buffers, momentum_buffers,
-                      master_params, momentum, stochastic_rounding, positions, grad_scale_tensor,
-                      found_inf);
+                      master_params, momentum_buffer_scales, momentum, stochastic_rounding, positions,
+                      grad_scale_tensor, found_inf);
   if (params.empty()) return;
   const Momentum mode = momentum == 0.0 ? Momentum::kNone
                                         : (is_first_step ? Momentum::kFirstStep : Momentum::kRunning);
-  Run({params, buffers, momentum_buffers, master_params, masters_of(master_params),
+  Run({params, buffers, momentum_buffers, master_params, momentum_buffer_scales, masters_of(master_params),
        state_storage(state_dtype_of(momentum_buffers)),
+       momentum != 0.0 && state_dtype_of(momentum_buffers) == at::kByte,
        make_sgd_hyper(lr, momentum, dampening, weight_decay, nesterov), mode,
        StepScale{static_cast<float>(grad_scale), data_or_null(grad_scale_tensor),
                  data_or_null(found_inf)},

@@ -21,7 +21,8 @@ TORCH_LIBRARY(accumkernels, m) {
       "bool overwrite, Tensor(b!)? found_inf) -> ()");
   m.def(
       "sgd_step_and_zero_(Tensor(a!)[] params, Tensor(b!)[] buffers, "
-      "Tensor(c!)[] momentum_buffers, Tensor(d!)[] master_params, float lr, float momentum, "
+      "Tensor(c!)[] momentum_buffers, Tensor(d!)[] master_params, "
+      "Tensor(e!)[] momentum_buffer_scales, float lr, float momentum, "
       "float dampening, float weight_decay, bool nesterov, bool is_first_step, "
       "float grad_scale, Tensor? grad_scale_tensor, Tensor? found_inf, bool zero_buffers, "
       "bool stochastic_rounding, int seed, int[] positions) -> ()");

@@ -32,6 +32,7 @@ def _opcheck_cases():
             lists(),
             lists(),
             lists(),
+            [],
             0.1,
             0.9,
             0.0,
@@ -52,6 +53,7 @@ def _opcheck_cases():
         (
             lists(torch.bfloat16),
             lists(),
+            [],
             [],
             [],
             0.1,
@@ -133,6 +135,7 @@ def _opcheck_cases():
             lists(),
             lists(torch.bfloat16),
             rems,
+            [],
             0.1,
             0.9,
             0.0,
@@ -174,6 +177,24 @@ def _opcheck_cases():
             5,
             [],
         ),
+    )
+
+    # 8-bit state: uint8 codes and a scale per block of 256 (37 and 15 elements: one block each)
+    def codes():
+        return [torch.randint(0, 249, (37,), dtype=torch.uint8), torch.randint(0, 249, (5, 3), dtype=torch.uint8)]
+
+    def block_scales():
+        return [torch.rand(1), torch.rand(1)]
+
+    yield (
+        "adamw_step_and_zero_",
+        (lists(torch.bfloat16), lists(), codes(), codes(), [], steps, [], block_scales(), block_scales())
+        + (1e-3, 0.9, 0.999, 1e-8, 0.01, False, 1.0, scale, found, True, True, 5, []),
+    )
+    yield (
+        "sgd_step_and_zero_",
+        (lists(torch.bfloat16), lists(), codes(), [], block_scales())
+        + (0.1, 0.9, 0.0, 0.01, False, False, 1.0, None, found, True, True, 3, []),
     )
     yield "grad_norm", (lists(),)
 

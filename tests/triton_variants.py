@@ -101,7 +101,7 @@ def variants():
             yield f"sgd-{tag}-momentum{momentum}", "sgd", sgd_types, dict(MOMENTUM=momentum, **common), aligned
         for amsgrad in BOOLS:
             yield f"adam-{tag}-amsgrad{amsgrad:d}", "adam", adam_types, dict(AMSGRAD=amsgrad, **common), aligned
-    # 8-bit state (uint8 codes with block scales): Adam without amsgrad.
+    # 8-bit state (uint8 codes with block scales): Adam without amsgrad, SGD with momentum.
     for (dtype, master, sr), aligned in itertools.product(PARAM_KINDS, BOOLS):
         constexprs = dict(
             PARAM_DTYPE=DTYPES[dtype],
@@ -114,6 +114,10 @@ def variants():
         )
         name = f"adam-{dtype}-master{master:d}-sr{sr:d}-state8bit-aligned{aligned:d}"
         yield name, "adam", adam_types, constexprs, aligned
+        for momentum in (1, 2):  # SGD's 8-bit momentum buffer: first step, running
+            sgd_constexprs = {k: v for k, v in constexprs.items() if k != "AMSGRAD"}
+            name = f"sgd-{dtype}-master{master:d}-sr{sr:d}-state8bit-aligned{aligned:d}-momentum{momentum}"
+            yield name, "sgd", sgd_types, dict(MOMENTUM=momentum, **sgd_constexprs), aligned
     yield (
         "increment-steps",
         "increment",

@@ -206,6 +206,7 @@ def sgd_step_and_zero_(
     buffers,
     momentum_buffers,
     master_params,
+    momentum_buffer_scales,
     lr,
     momentum,
     dampening,
@@ -231,9 +232,19 @@ def sgd_step_and_zero_(
             g = g + weight_decay * p
         if momentum != 0:
             b = momentum_buffers[i]
-            new_b = g if is_first_step else momentum * b.float() + (1.0 - dampening) * g
+            eight_bit = b.dtype == torch.uint8  # accumkernels._state8: codes and block scales
+            if is_first_step:
+                new_b = g
+            else:
+                old_b = state8.decode_exp_avg(b, momentum_buffer_scales[i]) if eight_bit else b.float()
+                new_b = momentum * old_b + (1.0 - dampening) * g
             g = g + momentum * new_b if nesterov else new_b
-            _store_state(b, new_b, skip, seed, _stream(positions, i), 1)
+            if eight_bit:
+                _store_8bit(
+                    b, momentum_buffer_scales[i], new_b, state8.encode_exp_avg, skip, seed, _stream(positions, i), 1
+                )
+            else:
+                _store_state(b, new_b, skip, seed, _stream(positions, i), 1)
         _store_weights(param, master, p - lr * g, skip, _stochastic(stochastic_rounding, seed, positions, i))
     _zero(buffers, zero_buffers)
 

@@ -163,10 +163,8 @@ _NO_REPLICAS = object()  # a pipeline stage no other rank holds: nothing to redu
 
 
 def _check_8bit_state(optimizer) -> None:
-    """state_dtype='8bit' (accumkernels._state8): Adam or AdamW without amsgrad."""
-    kind = optimizer_kind(optimizer)
-    if kind not in ("adam", "adamw"):
-        raise ValueError(f"state_dtype='8bit' is for Adam and AdamW so far; got {type(optimizer).__name__}")
+    """state_dtype='8bit' (accumkernels._state8): SGD (its momentum buffers),
+    Adam or AdamW without amsgrad (a fallback optimizer is refused before)."""
     if any(group.get("amsgrad") for group in optimizer.param_groups):
         raise ValueError("state_dtype='8bit' does not support amsgrad=True (its max_exp_avg_sq would need a code too)")
 

@@ -199,6 +199,11 @@ class Updater:
                 else:
                     self._adam(group, subset, grad_scale, found_inf, seed, zero_buffers)
 
+    def _has_state(self, r: ParamRecord, key: str) -> bool:
+        """Whether ``r`` holds state ``key`` (plain, or as 8-bit codes)."""
+        state = self.optimizer.state[r.param]
+        return state.get(key) is not None or state.get(key + "_codes") is not None
+
     def _state_like(self, r: ParamRecord, key: str) -> torch.Tensor:
         """The state tensor ``key`` of ``r`` (of this rank's elements) in the
         param's state dtype, created as zeros laid out like what is stepped if
@@ -289,17 +294,25 @@ class Updater:
         momentum = group["momentum"]
         # torch.optim starts a momentum buffer as a copy of the first gradient:
         # params without one take a separate first-step call.
-        first = {r.index for r in subset if momentum and self.optimizer.state[r.param].get("momentum_buffer") is None}
+        first = {r.index for r in subset if momentum and not self._has_state(r, "momentum_buffer")}
+        eight_bit = momentum and subset[0].precision.state_dtype == "8bit"
         for is_first in (True, False):
             chosen = [r for r in subset if (r.index in first) == is_first]
             if not chosen:
                 continue
             views = [r.param_view() for r in chosen]
             stepped = _dense(views)
+            if eight_bit:
+                codes = [self._codes_like(r, "momentum_buffer") for r in chosen]
+                buffers, scales = [c for c, _ in codes], [s for _, s in codes]
+            else:
+                buffers = [self._state_like(r, "momentum_buffer") for r in chosen] if momentum else None
+                scales = None
             ops.sgd_step_and_zero_(
                 stepped,
                 [r.buffer_view() for r in chosen],
-                [self._state_like(r, "momentum_buffer") for r in chosen] if momentum else None,
+                buffers,
+                momentum_buffer_scales=scales,
                 lr=_number(group["lr"]),
                 momentum=momentum,
                 dampening=group["dampening"],

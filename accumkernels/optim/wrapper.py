@@ -77,8 +77,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             without master weights; ``False``: round to nearest even.
         state_dtype: the dtype of the optimizer state (momentum, Adam's
             moments): ``torch.float32``, ``torch.bfloat16`` (rounded
-            stochastically) or ``"8bit"`` (Adam and AdamW: uint8 codes with a
-            scale per block of 256, encoded stochastically; the format is
+            stochastically) or ``"8bit"`` (SGD, Adam and AdamW: uint8 codes
+            with a scale per block of 256, encoded stochastically; the format is
             accumkernels._state8's; no amsgrad, no FSDP2 so far; its
             state_dict holds the codes and scales, and
             ``accumkernels.optim.dequantized_state_dict`` turns it into one

@@ -36,7 +36,7 @@ struct StepCall {
   Dtype param_dtype;
   WeightsKind weights;
   Dtype state_dtype;  // of every state tensor of the call: fp32 or bf16 (fp32 when state8)
-  bool state8;        // Adam's exp_avg and exp_avg_sq are 8-bit codes with block scales
+  bool state8;        // the state tensors are 8-bit codes with block scales
   uint32_t seed;
   float grad_scale;  // grad_scale * grad_scale_tensor, read once per call
   bool zero_buffers;
@@ -47,6 +47,9 @@ struct SgdChunk {
   WeightsChunk weights;
   float* buffer;
   void* momentum_buffer;  // nullptr when momentum == 0
+  // 8-bit state (StepCall::state8): momentum_buffer holds uint8 codes, these
+  // their blocks' scales from the chunk's first block on; else nullptr.
+  float* momentum_buffer_scales;
   int64_t n;
 };
 

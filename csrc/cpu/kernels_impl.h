@@ -93,8 +93,64 @@ void sgd_loop(const W& weights_in, const St& momentum_in, const SrChunk& sr_in, 
   }
 }
 
+// SGD's momentum buffer in 8 bits (stored as exp_avg), as adam8_loop: per
+// block, decode (a running buffer), update, encode.
+template <Momentum kMomentum, bool kZero, typename W>
+void sgd8_loop(const W& weights_in, const SrChunk& sr_in, const SgdChunk& c, float grad_scale,
+               const SgdHyper& hyper) {
+  const SgdHyper h = hyper;
+  const W w = weights_in;
+  const SrChunk sr = sr_in;
+  alignas(64) float b_block[kState8Block];
+  alignas(64) uint32_t draws[kState8Block];  // of rounding slot 1
+  for (int64_t blk = 0; blk * kState8Block < c.n; ++blk) {
+    const int64_t first = blk * kState8Block;
+    const int32_t n = static_cast<int32_t>(c.n - first < kState8Block ? c.n - first : kState8Block);
+    const W wb = w.at(first);
+    const SrChunk srb{sr.first_low + static_cast<uint32_t>(first), sr.key0, sr.key1};
+    float* AK_RESTRICT buffer = c.buffer + first;
+    uint8_t* AK_RESTRICT codes = static_cast<uint8_t*>(c.momentum_buffer) + first;
+    if (kMomentum == Momentum::kRunning) {
+      const float scale = c.momentum_buffer_scales[blk];
+#pragma omp simd
+      for (int32_t k = 0; k < n; ++k) b_block[k] = decode_exp_avg(codes[k], scale);
+    }
+    float b_max = 0.0f;
+    uint32_t b_nan = 0;
+#pragma omp simd reduction(max : b_max) reduction(| : b_nan)
+    for (int32_t k = 0; k < n; ++k) {
+      const float g = grad_scale * buffer[k];
+      float b = kMomentum == Momentum::kRunning ? b_block[k] : 0.0f;
+      wb.store(k, sgd_update<kMomentum>(wb.load(k), g, b, h), srb);
+      const float b_abs = bits_float(float_bits(b) & 0x7FFFFFFFu);
+      b_block[k] = b;
+      draws[k] = sr_draw<1>(srb, k);
+      b_max = b_max > b_abs ? b_max : b_abs;
+      b_nan |= b != b ? 1u : 0u;
+      if (kZero) buffer[k] = 0.0f;
+    }
+    const float scale_new = state8_block_scale(b_max, b_nan);
+    const float divisor = state8_divisor(scale_new);
+#pragma omp simd
+    for (int32_t k = 0; k < n; ++k) codes[k] = encode_exp_avg(b_block[k], divisor, draws[k]);
+    c.momentum_buffer_scales[blk] = scale_new;
+  }
+}
+
 void sgd_chunk(const StepCall& call, const SgdHyper& h, Momentum momentum, const SgdChunk& c) {
   const SrChunk sr = sr_chunk(call.seed, c.weights.stream, c.weights.first);
+  if (call.state8 && momentum != Momentum::kNone) {
+    with_param_weights(call, c.weights, [&](const auto& w) {
+      with_bool(call.zero_buffers, [&](auto zero) {
+        if (momentum == Momentum::kRunning) {
+          sgd8_loop<Momentum::kRunning, decltype(zero)::value>(w, sr, c, call.grad_scale, h);
+        } else {
+          sgd8_loop<Momentum::kFirstStep, decltype(zero)::value>(w, sr, c, call.grad_scale, h);
+        }
+      });
+    });
+    return;
+  }
   with_weights(call, c.weights, [&](const auto& w, auto s) {
     const auto mom = state<decltype(s)::value, 1>(c.momentum_buffer);
     with_momentum(momentum, [&](auto mode) {
@@ -135,9 +191,8 @@ void adam_loop(const W& weights_in, const M& m_in, const V& v_in, const VMax& v_
 // 8-bit state (formulas.h's decode_/encode_exp_avg and _exp_avg_sq), block by
 // block in three loops over fp32 locals: decode the old moments; update them,
 // step and store the param, and take the new moments' block maxima (exp_avg_sq
-// as r = sqrt(v)), the new scales; encode. A NaN makes its block's scale NaN
-// (as torch.amax does: the max reduction alone could drop it, and the block
-// would decode to finite values). Why three loops, not one: a loop that reads
+// as r = sqrt(v)), the new scales (state8_block_scale); encode. Why three
+// loops, not one: a loop that reads
 // uint8 codes is vectorized at 64 lanes, and with the whole update in it its
 // fp32 values no longer fit the registers (measured 1.25x slower); and the
 // loops index from the block's start with 32-bit k, as 64-bit index vectors
@@ -190,8 +245,8 @@ void adam8_loop(const W& weights_in, const SrChunk& sr_in, const AdamChunk& c, f
       r_nan |= r != r ? 1u : 0u;
       if (kZero) buffer[k] = 0.0f;
     }
-    const float m_scale_new = m_nan != 0 ? bits_float(0x7FC00000u) : m_max;
-    const float r_scale_new = r_nan != 0 ? bits_float(0x7FC00000u) : r_max;
+    const float m_scale_new = state8_block_scale(m_max, m_nan);
+    const float r_scale_new = state8_block_scale(r_max, r_nan);
     const float m_divisor = state8_divisor(m_scale_new);
     const float r_divisor = state8_divisor(r_scale_new);
 #pragma omp simd

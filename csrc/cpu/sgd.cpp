@@ -16,14 +16,21 @@ void run_sgd(const SgdArgs& a) {
     return;
   }
   const KernelTable& k = kernels();
-  for (const DtypeGroup& g :
-       group_by_dtype(a.params, {a.params, a.master_params, a.buffers, a.momentum_buffers})) {
-    const StepCall call = step_call(g, a.masters, a.sr, a.state_dtype, false, a.scale.scale(), a.zero_buffers);
-    for_each_chunk(g, [&](size_t t, int64_t offset, int64_t length) {
-      k.sgd(call, a.hyper, a.momentum,
-            {weights_at(g, a.masters, a.sr, t, offset), f32_at(g.pointers[2], t, offset),
-             state_at(g.pointers[3], t, offset, call), length});
-    });
+  // 8-bit state: chunks start at a block boundary, so a block is one chunk's.
+  const int64_t align = a.state8 ? kState8Block : 1;
+  for (const DtypeGroup& g : group_by_dtype(
+           a.params, {a.params, a.master_params, a.buffers, a.momentum_buffers, a.momentum_buffer_scales})) {
+    const StepCall call =
+        step_call(g, a.masters, a.sr, a.state_dtype, a.state8, a.scale.scale(), a.zero_buffers);
+    for_each_chunk(
+        g,
+        [&](size_t t, int64_t offset, int64_t length) {
+          k.sgd(call, a.hyper, a.momentum,
+                {weights_at(g, a.masters, a.sr, t, offset), f32_at(g.pointers[2], t, offset),
+                 state_at(g.pointers[3], t, offset, call), f32_at(g.pointers[4], t, offset / kState8Block),
+                 length});
+        },
+        align);
   }
 }
 

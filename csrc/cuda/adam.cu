@@ -90,6 +90,7 @@ struct AdamFunctor {
 constexpr int kLists8 = 9;
 constexpr int kWarp = 32;
 constexpr int kPerLane = static_cast<int>(kState8Block) / kWarp;
+static_assert(kChunk % kState8Block == 0, "a chunk starts at a block boundary");
 
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
@@ -149,8 +150,8 @@ struct Adam8Functor {
       }
       m_max = warp_max(m_max);
       r_max = warp_max(r_max);
-      const float m_scale_new = __any_sync(0xFFFFFFFFu, m_nan) ? __int_as_float(0x7FC00000) : m_max;
-      const float r_scale_new = __any_sync(0xFFFFFFFFu, r_nan) ? __int_as_float(0x7FC00000) : r_max;
+      const float m_scale_new = state8_block_scale(m_max, __any_sync(0xFFFFFFFFu, m_nan) ? 1u : 0u);
+      const float r_scale_new = state8_block_scale(r_max, __any_sync(0xFFFFFFFFu, r_nan) ? 1u : 0u);
       const float m_divisor = state8_divisor(m_scale_new);
       const float r_divisor = state8_divisor(r_scale_new);
 #pragma unroll

@@ -57,8 +57,90 @@ struct SgdFunctor {
   }
 };
 
+// 8-bit momentum buffers (stored as exp_avg, formulas.h): lists as
+// SgdFunctor's, then 4 their block scales; a warp per block, as adam.cu's
+// Adam8Functor (which states the layout and why).
+constexpr int kLists8 = 5;
+constexpr int kWarp = 32;
+constexpr int kPerLane = static_cast<int>(kState8Block) / kWarp;
+static_assert(kChunk % kState8Block == 0, "a chunk starts at a block boundary");
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+    const float other = __shfl_xor_sync(0xFFFFFFFFu, x, offset);
+    x = x > other ? x : other;
+  }
+  return x;
+}
+
+template <Dtype P, WeightsKind K, Momentum kMomentum>
+struct Sgd8Functor {
+  __device__ void operator()(const Meta<kLists8>& meta, int t, int64_t start, int64_t n, int,
+                             SgdHyper h, StepScale scale, bool zero_buffers, uint32_t seed) {
+    float* buffer = chunk_floats(meta, 2, t, start);
+    if (scale.skip()) {
+      if (zero_buffers) zero_chunk(buffer, n);
+      return;
+    }
+    const auto w = chunk_weights<P, K>(meta, t, start);
+    uint8_t* codes = static_cast<uint8_t*>(meta.addresses[3][t]) + start;
+    float* scales = chunk_floats(meta, 4, t, start / kState8Block);
+    const SrChunk sr = chunk_draws(meta, t, start, seed);
+    const float gs = scale.scale();
+    const int lane = static_cast<int>(threadIdx.x) % kWarp;
+    const int warps = static_cast<int>(blockDim.x) / kWarp;
+    const int64_t blocks = (n + kState8Block - 1) / kState8Block;
+    for (int64_t blk = threadIdx.x / kWarp; blk < blocks; blk += warps) {
+      const float old_scale = scales[blk];
+      float b_new[kPerLane];
+      float b_max = 0.0f;
+      bool b_nan = false;
+#pragma unroll
+      for (int k = 0; k < kPerLane; ++k) {
+        const int64_t i = blk * kState8Block + k * kWarp + lane;
+        b_new[k] = 0.0f;
+        if (i >= n) continue;
+        float b = kMomentum == Momentum::kRunning ? decode_exp_avg(codes[i], old_scale) : 0.0f;
+        w.store(i, sgd_update<kMomentum>(w.load(i), gs * buffer[i], b, h), sr);
+        b_new[k] = b;
+        b_max = b_max > fabsf(b) ? b_max : fabsf(b);
+        b_nan |= b != b;
+        if (zero_buffers) buffer[i] = 0.0f;
+      }
+      const float new_scale = state8_block_scale(warp_max(b_max), __any_sync(0xFFFFFFFFu, b_nan) ? 1u : 0u);
+      const float divisor = state8_divisor(new_scale);
+#pragma unroll
+      for (int k = 0; k < kPerLane; ++k) {
+        const int64_t i = blk * kState8Block + k * kWarp + lane;
+        if (i < n) codes[i] = encode_exp_avg(b_new[k], divisor, sr_draw<1>(sr, i));
+      }
+      if (lane == 0) scales[blk] = new_scale;
+    }
+  }
+};
+
 void run_sgd(const SgdArgs& a) {
   const c10::cuda::CUDAGuard guard(a.params[0].device());
+  if (a.state8) {
+    for (const DtypeGroup& g : group_by_dtype(a.params, {a.params, a.master_params, a.buffers,
+                                                        a.momentum_buffers, a.momentum_buffer_scales})) {
+      with_step_kind(g, step_weights_kind(g.dtype, a.masters, a.sr), Dtype::kFloat32, [&](auto p, auto k, auto) {
+        auto launch = [&](auto mode) {
+          multi_tensor_apply<kLists8>(
+              g.pointers, g.numels, group_streams(g, a.sr),
+              Sgd8Functor<decltype(p)::value, decltype(k)::value, decltype(mode)::value>{}, a.hyper, a.scale,
+              a.zero_buffers, a.sr.seed);
+        };
+        if (a.momentum == Momentum::kRunning) {
+          launch(std::integral_constant<Momentum, Momentum::kRunning>{});
+        } else {
+          launch(std::integral_constant<Momentum, Momentum::kFirstStep>{});
+        }
+      });
+    }
+    return;
+  }
   for (const DtypeGroup& g :
        group_by_dtype(a.params, {a.params, a.master_params, a.buffers, a.momentum_buffers})) {
     with_step_kind(g, step_weights_kind(g.dtype, a.masters, a.sr), a.state_dtype, [&](auto p, auto k, auto s) {

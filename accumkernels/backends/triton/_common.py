@@ -356,3 +356,29 @@ def step_chunk(
             )
             if zero_buffers:
                 tl.store(buffer + offs, zeros, mask=offs < n)
+
+
+# ---- 8-bit state: a tile's blocks of 256 as rows --------------------------------
+
+
+@triton.jit
+def state8_rows(offs, n, ROWS: tl.constexpr):
+    """(the block index of each row of the tile ``offs``, which rows hold elements):
+    a tile starts at a block boundary of its tensor."""
+    rows = tl.min(offs, axis=0) // f.STATE8_BLOCK + tl.arange(0, ROWS).to(tl.int64)
+    return rows, rows < (n + f.STATE8_BLOCK - 1) // f.STATE8_BLOCK
+
+
+@triton.jit
+def per_element(row_values, ROWS: tl.constexpr, TILE: tl.constexpr):
+    """A value per row of 256 as a value per element of the tile."""
+    return tl.reshape(tl.broadcast_to(tl.reshape(row_values, (ROWS, 1)), (ROWS, TILE // ROWS)), (TILE,))
+
+
+@triton.jit
+def row_max(x, ROWS: tl.constexpr):
+    """The maximum of each row of 256 of the tile ``x`` (>= 0), NaN where the row holds a NaN."""
+    rows = tl.reshape(x, (ROWS, x.shape[0] // ROWS))
+    has_nan = tl.max((rows != rows).to(tl.int32), axis=1) != 0
+    nan = tl.full((ROWS,), 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+    return tl.where(has_nan, nan, tl.max(rows, axis=1))

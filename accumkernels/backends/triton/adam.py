@@ -67,10 +67,9 @@ def _adam8_block(
     TILE: tl.constexpr = offs.shape[0]
     ROWS: tl.constexpr = TILE // f.STATE8_BLOCK
     mask = offs < n
-    rows = tl.min(offs, axis=0) // f.STATE8_BLOCK + tl.arange(0, ROWS).to(tl.int64)
-    row_mask = rows < (n + f.STATE8_BLOCK - 1) // f.STATE8_BLOCK
-    m_scale = _per_element(c.load(m_scales, rows, row_mask, MASKED), ROWS, TILE)
-    v_scale = _per_element(c.load(v_scales, rows, row_mask, MASKED), ROWS, TILE)
+    rows, row_mask = c.state8_rows(offs, n, ROWS)
+    m_scale = c.per_element(c.load(m_scales, rows, row_mask, MASKED), ROWS, TILE)
+    v_scale = c.per_element(c.load(v_scales, rows, row_mask, MASKED), ROWS, TILE)
     m = f.decode_exp_avg(c.load(exp_avg, offs, mask, MASKED), m_scale)
     v = f.decode_exp_avg_sq(c.load(exp_avg_sq, offs, mask, MASKED), v_scale)
     w, m, v, _ = f.adam_update(
@@ -92,30 +91,15 @@ def _adam8_block(
         False,
     )
     r = tl.sqrt_rn(v)
-    m_new_scale = _row_max(tl.where(mask, tl.abs(m), 0.0), ROWS)
-    r_new_scale = _row_max(tl.where(mask, r, 0.0), ROWS)
-    m_divisor = _per_element(f.state8_divisor(m_new_scale), ROWS, TILE)
-    r_divisor = _per_element(f.state8_divisor(r_new_scale), ROWS, TILE)
+    m_new_scale = c.row_max(tl.where(mask, tl.abs(m), 0.0), ROWS)
+    r_new_scale = c.row_max(tl.where(mask, r, 0.0), ROWS)
+    m_divisor = c.per_element(f.state8_divisor(m_new_scale), ROWS, TILE)
+    r_divisor = c.per_element(f.state8_divisor(r_new_scale), ROWS, TILE)
     c.store(exp_avg, offs, f.encode_exp_avg(m, m_divisor, f.sr_draw(seed, 1, stream, offs)), mask, MASKED)
     c.store(exp_avg_sq, offs, f.encode_exp_avg_sq(r, r_divisor, f.sr_draw(seed, 2, stream, offs)), mask, MASKED)
     c.store(m_scales, rows, m_new_scale, row_mask, MASKED)
     c.store(v_scales, rows, r_new_scale, row_mask, MASKED)
     c.store_weight(param, master, offs, w, mask, seed, stream, PARAM_DTYPE, MASTER_KIND, STOCHASTIC, MASKED)
-
-
-@triton.jit
-def _per_element(row_values, ROWS: tl.constexpr, TILE: tl.constexpr):
-    """A value per row of 256 as a value per element of the tile."""
-    return tl.reshape(tl.broadcast_to(tl.reshape(row_values, (ROWS, 1)), (ROWS, TILE // ROWS)), (TILE,))
-
-
-@triton.jit
-def _row_max(x, ROWS: tl.constexpr):
-    """The maximum of each row of 256 of the tile ``x`` (>= 0), NaN where the row holds a NaN."""
-    rows = tl.reshape(x, (ROWS, x.shape[0] // ROWS))
-    has_nan = tl.max((rows != rows).to(tl.int32), axis=1) != 0
-    nan = tl.full((ROWS,), 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
-    return tl.where(has_nan, nan, tl.max(rows, axis=1))
 
 
 @triton.jit

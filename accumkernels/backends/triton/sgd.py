@@ -11,8 +11,9 @@ from ..._op_table import OPS
 from . import _common as c
 from . import _formulas as f
 
-# Lists: 0 param, 1 master, 2 buffer, 3 momentum buffer.
-LISTS = tl.constexpr(4)
+# Lists: 0 param, 1 master, 2 buffer, 3 momentum buffer, 4 its block scales
+# (8-bit state; STATE_DTYPE uint8 means it).
+LISTS = tl.constexpr(5)
 
 
 @triton.jit
@@ -31,17 +32,36 @@ def _sgd_block(
     MOMENTUM: tl.constexpr,
     MASKED: tl.constexpr,
 ):
-    param, master, buffer, mom = ptrs
+    param, master, buffer, mom, mom_scales = ptrs
     lr, momentum, one_minus_dampening, weight_decay, nesterov, has_weight_decay = hp
     mask = offs < n
     g = gs * c.load_f32(buffer, offs, mask, tl.float32, MASKED)
     w = c.load_weight(param, master, offs, mask, PARAM_DTYPE, MASTER_KIND, MASKED)
     b = tl.zeros_like(g)
-    if MOMENTUM == f.RUNNING:
-        b = c.load_f32(mom, offs, mask, STATE_DTYPE, MASKED)
-    w, b = f.sgd_update(w, g, b, lr, momentum, one_minus_dampening, weight_decay, nesterov, has_weight_decay, MOMENTUM)
-    if MOMENTUM != f.NO_MOMENTUM:
-        c.store_state(mom, offs, b, mask, seed, 1, stream, STATE_DTYPE, MASKED)
+    if STATE_DTYPE == tl.uint8 and MOMENTUM != f.NO_MOMENTUM:
+        # 8-bit momentum buffer (stored as exp_avg), as adam.py's _adam8_block
+        TILE: tl.constexpr = offs.shape[0]
+        ROWS: tl.constexpr = TILE // f.STATE8_BLOCK
+        rows, row_mask = c.state8_rows(offs, n, ROWS)
+        if MOMENTUM == f.RUNNING:
+            b = f.decode_exp_avg(
+                c.load(mom, offs, mask, MASKED), c.per_element(c.load(mom_scales, rows, row_mask, MASKED), ROWS, TILE)
+            )
+        w, b = f.sgd_update(
+            w, g, b, lr, momentum, one_minus_dampening, weight_decay, nesterov, has_weight_decay, MOMENTUM
+        )
+        new_scale = c.row_max(tl.where(mask, tl.abs(b), 0.0), ROWS)
+        divisor = c.per_element(f.state8_divisor(new_scale), ROWS, TILE)
+        c.store(mom, offs, f.encode_exp_avg(b, divisor, f.sr_draw(seed, 1, stream, offs)), mask, MASKED)
+        c.store(mom_scales, rows, new_scale, row_mask, MASKED)
+    else:
+        if MOMENTUM == f.RUNNING:
+            b = c.load_f32(mom, offs, mask, STATE_DTYPE, MASKED)
+        w, b = f.sgd_update(
+            w, g, b, lr, momentum, one_minus_dampening, weight_decay, nesterov, has_weight_decay, MOMENTUM
+        )
+        if MOMENTUM != f.NO_MOMENTUM:
+            c.store_state(mom, offs, b, mask, seed, 1, stream, STATE_DTYPE, MASKED)
     c.store_weight(param, master, offs, w, mask, seed, stream, PARAM_DTYPE, MASTER_KIND, STOCHASTIC, MASKED)
 
 
@@ -78,6 +98,7 @@ def _sgd_kernel(
         c.master_pointer(table, T, t, MASTER_KIND, ALIGNED),
         c.pointer(table, 2, T, t, tl.float32, ALIGNED),
         c.pointer(table, 3, T, t, STATE_DTYPE, ALIGNED),
+        c.pointer(table, 4, T, t, tl.float32, ALIGNED),
     )
     hp = (lr, momentum, one_minus_dampening, weight_decay, nesterov, has_weight_decay)
     c.step_chunk(
@@ -117,6 +138,7 @@ def sgd_step_and_zero_(
     buffers: list[torch.Tensor],
     momentum_buffers: list[torch.Tensor],
     master_params: list[torch.Tensor],
+    momentum_buffer_scales: list[torch.Tensor],
     lr: float,
     momentum: float,
     dampening: float,
@@ -135,7 +157,7 @@ def sgd_step_and_zero_(
     device = params[0].device
     with c.device_guard(device):
         scale_ptr, has_scale, inf_ptr, has_inf = c.scalar_arguments(grad_scale_tensor, found_inf, device)
-        lists = [params, master_params, buffers, momentum_buffers]
+        lists = [params, master_params, buffers, momentum_buffers, momentum_buffer_scales]
         state_dtype = momentum_buffers[0].dtype if momentum_buffers else torch.float32
         for dtype, table, count, chunks, aligned in c.param_dtype_launches(params, lists, positions):
             _sgd_kernel[(chunks,)](

@@ -331,10 +331,16 @@ AK_HD float decode_magnitude(uint32_t code, int32_t emin) {
   return static_cast<float>(j) * state8_pow2(e - kState8MantissaBits);
 }
 
+// A block's new scale: the maximum of its stored magnitudes (|m|, r), or NaN
+// where one of them is NaN (`nan` nonzero), as torch.amax: a max reduction
+// alone may drop a NaN, and the block would decode to finite values.
+AK_HD float state8_block_scale(float max, uint32_t nan) { return nan != 0 ? bits_float(0x7FC00000u) : max; }
+
 // A block's scale (max |m| of exp_avg, max sqrt(v) of exp_avg_sq) as the
 // divisor of its encode: 1 for an all-zero block.
 AK_HD float state8_divisor(float scale) { return scale > 0.0f ? scale : 1.0f; }
 
+// exp_avg (and SGD's momentum buffer, stored alike): signed.
 AK_HD float decode_exp_avg(uint8_t code, float scale) {
   const float magnitude = decode_magnitude(code & 0x7Fu, kEminExpAvg) * scale;
   return (code & 0x80u) != 0 ? -magnitude : magnitude;
