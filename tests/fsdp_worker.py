@@ -219,7 +219,8 @@ def dcp_round_trip(cfg, rank, world, mesh):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    model, opt = wrapped_model(cfg, mesh)
+    options = cfg.get("options", {})
+    model, opt = wrapped_model(cfg, mesh, **options)
     empty = get_optimizer_state_dict(model, opt)  # DCP calls step() to create the state: no micro-step counted
     assert opt.micro_steps == 0 and all(float(s["step"]) == 0 for s in empty["state"].values())
     train(cfg, model, opt, rank, windows=[0])
@@ -237,7 +238,7 @@ def dcp_round_trip(cfg, rank, world, mesh):
         opt.step()
     folder = os.path.join(cfg["tmp"], "dcp")
     dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=folder)
-    fresh, fresh_opt = wrapped_model(cfg, mesh)
+    fresh, fresh_opt = wrapped_model(cfg, mesh, **options)
     state = {"model": fresh.state_dict(), "optim": get_optimizer_state_dict(fresh, fresh_opt)}
     dcp.load(state, checkpoint_id=folder)
     fresh.load_state_dict(state["model"])

@@ -39,7 +39,10 @@ CASES_2 = {
     # bf16 shards with the defaults (stochastic rounding, bf16 DTensor state), and with remainders
     "resume-bf16-defaults": dict(scenario="resume", storage="bf16"),
     "resume-bf16-remainders": dict(scenario="resume", storage="bf16", options=dict(master_weights="remainders")),
+    # 8-bit state: codes sharded like the params, scales one (W, blocks) DTensor
+    "resume-bf16-8bit": dict(scenario="resume", storage="bf16", options=dict(state_dtype="8bit")),
     "dcp": dict(scenario="dcp_round_trip"),
+    "dcp-8bit": dict(scenario="dcp_round_trip", options=dict(state_dtype="8bit")),
     "memory": dict(scenario="buffer_bytes"),
     "refusals": dict(scenario="refusals"),
 }
@@ -83,14 +86,15 @@ def test_an_inf_on_one_rank_skips_the_window_everywhere(runs):
         assert rank["inf"] == {"skipped": True, "moved": True}
 
 
-@pytest.mark.parametrize("case", ["resume-fp32", "resume-bf16-defaults", "resume-bf16-remainders"])
+@pytest.mark.parametrize("case", ["resume-fp32", "resume-bf16-defaults", "resume-bf16-remainders", "resume-bf16-8bit"])
 def test_resume_mid_window_is_bitwise(runs, case):
     assert all(rank[case]["same"] for rank in runs[2])
 
 
-def test_distributed_checkpoint(runs):
+@pytest.mark.parametrize("case", ["dcp", "dcp-8bit"])
+def test_distributed_checkpoint(runs, case):
     for rank in runs[2]:
-        assert rank["dcp"] == {"refused_mid_window": True, "same": True}
+        assert rank[case] == {"refused_mid_window": True, "same": True}
 
 
 @pytest.mark.parametrize("world", [2, 4])

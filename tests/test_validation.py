@@ -209,6 +209,7 @@ def test_native_ops_check_arguments_too(native_only):
     sgd = dict(
         momentum_buffers=[],
         master_params=[],
+        momentum_buffer_scales=[],
         lr=0.1,
         momentum=0.0,
         dampening=0.0,

@@ -15,6 +15,7 @@ import torch
 
 from .._state8 import MOMENTS, decode_moment, scales_numel
 from ._discovery import calling_frame
+from ._fsdp import local_tensor, shard_like, state8_blocks
 
 
 def _params_in_saved_order(wrapper, state_dict) -> list:
@@ -63,7 +64,7 @@ def check_loadable(wrapper, state_dict: dict, extra: dict | None) -> None:
             # tensor against what this rank steps.
             like = r.param if hasattr(value, "device_mesh") else r.param_view()
             if key.endswith(("_codes", "_scales")):  # 8-bit state (accumkernels._state8)
-                _check_8bit_entry(key, value, like, r.index)
+                _check_8bit_entry(key, value, like, r)
                 continue
             if key == "step" or value.numel() == 1 and like.numel() != 1:
                 if value.numel() != 1:
@@ -117,16 +118,28 @@ def check_loadable(wrapper, state_dict: dict, extra: dict | None) -> None:
             )
 
 
-def _check_8bit_entry(key: str, value: torch.Tensor, like: torch.Tensor, index: int) -> None:
+def _check_8bit_entry(key: str, value: torch.Tensor, like: torch.Tensor, r) -> None:
+    """Codes of the shape of what they stand for (``like``); scales: one per
+    block of this rank's elements, or for FSDP2 state a (W, blocks) DTensor
+    (_fsdp.state8_blocks), which a checkpoint of another world size is not."""
     if key.endswith("_codes"):
         if value.dtype != torch.uint8 or tuple(value.shape) != tuple(like.shape):
             raise ValueError(
-                f"checkpoint's {key!r} of param {index} is {value.dtype} of shape {tuple(value.shape)}; expected "
+                f"checkpoint's {key!r} of param {r.index} is {value.dtype} of shape {tuple(value.shape)}; expected "
                 f"uint8 codes of shape {tuple(like.shape)}"
+            )
+        return
+    if hasattr(value, "device_mesh"):
+        shape = (r.param.device_mesh.size(), state8_blocks(r.param))
+        if value.dtype != torch.float32 or tuple(value.shape) != shape:
+            raise ValueError(
+                f"checkpoint's {key!r} of param {r.index} is {value.dtype} of shape {tuple(value.shape)}; expected "
+                f"fp32 block scales of shape {shape} (one row per rank: 8-bit FSDP2 state loads at the world size "
+                "it was saved with; dequantized_state_dict converts it for another)"
             )
     elif value.dtype != torch.float32 or value.numel() != scales_numel(like.numel()):
         raise ValueError(
-            f"checkpoint's {key!r} of param {index} is {value.dtype} with {value.numel()} elements; expected "
+            f"checkpoint's {key!r} of param {r.index} is {value.dtype} with {value.numel()} elements; expected "
             f"{scales_numel(like.numel())} fp32 block scales"
         )
 
@@ -233,6 +246,15 @@ def dequantized_state_dict(state_dict: dict) -> dict:
         entries = dict(entries)
         for key in MOMENTS:
             if key + "_codes" in entries:
-                entries[key] = decode_moment(key, entries.pop(key + "_codes"), entries.pop(key + "_scales"))
+                entries[key] = _decoded(key, entries.pop(key + "_codes"), entries.pop(key + "_scales"))
         out["state"][index] = entries
     return out
+
+
+def _decoded(key: str, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """decode_moment; FSDP2 state (DTensors) shard by shard, as a DTensor sharded like the codes."""
+    if not hasattr(codes, "device_mesh"):
+        return decode_moment(key, codes, scales)
+    local = local_tensor(codes)
+    values = decode_moment(key, local, local_tensor(scales).reshape(-1)[: scales_numel(local.numel())])
+    return shard_like(values, codes)

@@ -46,6 +46,44 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, _dtensor_class()) else t
 
 
+def shard_like(local: torch.Tensor, param) -> torch.Tensor:
+    """``local`` (this rank's shard of a tensor laid out like ``param``) as a
+    DTensor sharded like the DTensor ``param``: optimizer state as torch.optim
+    keeps it for FSDP2, and as torch.distributed.checkpoint saves it."""
+    return _dtensor_class().from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+
+
+def state8_blocks(param) -> int:
+    """The block scales each rank keeps of an FSDP2 param's 8-bit state: those
+    of the largest local shard (Shard(0): ceil(rows / W) rows), the last ones
+    unused on a smaller shard, so that every rank's scales are one row of a
+    (W, blocks) DTensor sharded on dim 0 (state8_scales), whose shape names the
+    world size: a checkpoint of another world size is refused by its shape
+    rather than resharded (each rank's blocks follow its own shard)."""
+    from .._state8 import scales_numel
+
+    rows = param.shape[0] if param.dim() else 1
+    per_row = param.numel() // rows if rows else 0
+    world = param.device_mesh.size()
+    return scales_numel(-(-rows // world) * per_row)
+
+
+def state8_scales(local_row: torch.Tensor, param) -> torch.Tensor:
+    """This rank's block scales (state8_blocks of them) as its row of the (W,
+    blocks) DTensor that holds every rank's."""
+    from torch.distributed.tensor import Shard
+
+    blocks = local_row.numel()
+    world = param.device_mesh.size()
+    mesh = param.device_mesh
+    shape, stride = (world, blocks), (blocks, 1)
+    return _dtensor_class().from_local(
+        local_row.view(1, blocks), mesh, (Shard(0),), run_check=False, shape=shape, stride=stride
+    )
+
+
 def mesh_of(params):
     """The one 1-D mesh every param is Shard(0)-sharded on; refuses anything else."""
     from torch.distributed.tensor import Shard

@@ -201,8 +201,6 @@ def _fsdp_mesh(params, intake, sharded, process_group, wire_dtype, state_dtype):
             "sharded=, process_group= and wire_dtype= are for plain params: FSDP2 shards and reduces "
             "the gradients of its DTensor params itself"
         )
-    if state_dtype == "8bit":
-        raise ValueError("state_dtype='8bit' does not support FSDP2 models yet (its block scales are not DTensors)")
     if intake == "grad":
         raise ValueError(
             "an FSDP2 model needs intake='hooks' (pass accum_steps=N; clip with max_grad_norm=): "

@@ -15,7 +15,7 @@ import torch
 from .. import _state8 as state8
 from .. import ops
 from .._validation import is_dense
-from ._fsdp import local_tensor
+from ._fsdp import local_tensor, shard_like, state8_blocks, state8_scales
 from ._layout import Layout, ParamRecord
 
 KINDS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
@@ -226,16 +226,7 @@ class Updater:
                 fresh.copy_(local.reshape(fresh.shape))
             value = local = fresh
             if r.param is not r.local:  # a DTensor param
-                from torch.distributed.tensor import DTensor
-
-                value = DTensor.from_local(
-                    fresh,
-                    r.param.device_mesh,
-                    r.param.placements,
-                    run_check=False,
-                    shape=r.param.shape,
-                    stride=r.param.stride(),
-                )
+                value = shard_like(fresh, r.param)
             state[key] = value
         return local
 
@@ -244,10 +235,18 @@ class Updater:
         stepped, fp32 block scales), kept as ``<key>_codes`` and
         ``<key>_scales``; created as zeros, or encoded (to nearest) from the
         fp32 or bf16 ``key`` of a plain checkpoint, or re-encoded from codes
-        laid out otherwise (the blocks follow the memory order)."""
+        laid out otherwise (the blocks follow the memory order). For an FSDP2
+        param the codes are a DTensor sharded like it and the scales this
+        rank's row of a (W, blocks) DTensor (_fsdp.state8_blocks says why); the
+        kernels get the local shard and the row's first scales."""
         like = r.buffer_view()
+        blocks = state8.scales_numel(like.numel())
+        dtensor = r.param is not r.local
+        kept = state8_blocks(r.param) if dtensor else blocks  # scales this rank keeps
         state = self.optimizer.state[r.param]
         codes, scales = state.get(key + "_codes"), state.get(key + "_scales")
+        codes = None if codes is None else local_tensor(codes)
+        scales = None if scales is None else local_tensor(scales).reshape(-1)
         fits = (
             codes is not None
             and codes.dtype == torch.uint8
@@ -257,20 +256,27 @@ class Updater:
             and scales is not None
             and scales.dtype == torch.float32
             and scales.device == like.device
-            and scales.numel() == state8.scales_numel(like.numel())
+            and scales.numel() == kept
+            and dtensor == hasattr(state[key + "_scales"], "device_mesh")
         )
         if fits:
-            return codes, scales
+            return codes, scales[:blocks]
         plain = state.pop(key, None)
+        plain = None if plain is None else local_tensor(plain)
         if codes is not None and scales is not None:
-            plain = state8.decode_moment(key, codes, scales)
+            plain = state8.decode_moment(key, codes, scales[:blocks])
         if plain is None:
             codes = torch.zeros_like(like, dtype=torch.uint8, memory_format=torch.preserve_format)
-            scales = torch.zeros(state8.scales_numel(like.numel()), dtype=torch.float32, device=like.device)
+            scales = torch.zeros(kept, dtype=torch.float32, device=like.device)
         else:
-            codes, scales = state8.encode_moment(key, plain.float().to(like.device).reshape(like.shape), like, None)
-        state[key + "_codes"], state[key + "_scales"] = codes, scales
-        return codes, scales
+            codes, encoded = state8.encode_moment(key, plain.float().to(like.device).reshape(like.shape), like, None)
+            scales = torch.zeros(kept, dtype=torch.float32, device=like.device)
+            scales[:blocks] = encoded
+        if dtensor:
+            state[key + "_codes"], state[key + "_scales"] = shard_like(codes, r.param), state8_scales(scales, r.param)
+        else:
+            state[key + "_codes"], state[key + "_scales"] = codes, scales
+        return codes, scales[:blocks]
 
     def _stream_id(self, r: ParamRecord) -> int:
         """Its index; ranks that hold different elements of a param (FSDP2,

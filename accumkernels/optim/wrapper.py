@@ -79,7 +79,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             moments): ``torch.float32``, ``torch.bfloat16`` (rounded
             stochastically) or ``"8bit"`` (SGD, Adam and AdamW: uint8 codes
             with a scale per block of 256, encoded stochastically; the format is
-            accumkernels._state8's; no amsgrad, no FSDP2 so far; its
+            accumkernels._state8's; no amsgrad; its
             state_dict holds the codes and scales, and
             ``accumkernels.optim.dequantized_state_dict`` turns it into one
             torch.optim.AdamW loads). Default (None): bf16 for bf16 params
