@@ -249,6 +249,37 @@ def dcp_round_trip(cfg, rank, world, mesh):
     return {"refused_mid_window": refused, "same": same}
 
 
+def dcp_8bit_save(cfg, rank, world, mesh):
+    """8-bit state after one window, saved with torch.distributed.checkpoint
+    into cfg["shared"] (read by dcp_8bit_other_world, at another world size)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model, opt = wrapped_model(cfg, mesh, state_dtype="8bit")
+    train(cfg, model, opt, rank, windows=[0])
+    dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=cfg["shared"])
+    return {"saved": True}
+
+
+def dcp_8bit_other_world(cfg, rank, world, mesh):
+    """Loading that checkpoint at this world size fails loudly (the scales'
+    (W, blocks) shape differs), instead of resharding scales that follow the
+    saved ranks' shards; returns the error."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    model, opt = wrapped_model(cfg, mesh, state_dtype="8bit")
+    state = {"optim": get_optimizer_state_dict(model, opt)}
+    try:
+        dcp.load(state, checkpoint_id=cfg["shared"])
+        set_optimizer_state_dict(model, opt, state["optim"])
+    # DCP's CheckpointException is a BaseException; ours would be a ValueError
+    except (CheckpointException, ValueError) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"error": None}
+
+
 def buffer_bytes(cfg, rank, world, mesh):
     """The memory the wrapper's construction leaves allocated on this rank (its
     buffers), measured by torch's profiler (every allocation and free of the
@@ -312,6 +343,8 @@ SCENARIOS = {
     "inf_skip": inf_skip,
     "resume": resume,
     "dcp_round_trip": dcp_round_trip,
+    "dcp_8bit_save": dcp_8bit_save,
+    "dcp_8bit_other_world": dcp_8bit_other_world,
     "buffer_bytes": buffer_bytes,
     "refusals": refusals,
 }

@@ -8,6 +8,9 @@ the per-rank buffer memory, measured; refusals."""
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import fsdp_worker as worker
 import pytest
 import torch.distributed as dist
@@ -51,7 +54,14 @@ CASES_4 = {"adamw-clip": PARITY["adamw-clip"], "items": PARITY["items"], "memory
 
 @pytest.fixture(scope="module")
 def runs():
-    return {2: spawn(2, CASES_2, worker.main), 4: spawn(4, CASES_4, worker.main)}
+    # An 8-bit DCP checkpoint saved by the 2 ranks, loaded by the 4.
+    with tempfile.TemporaryDirectory() as shared:
+        checkpoint = os.path.join(shared, "dcp-8bit")
+        two = spawn(2, {**CASES_2, "dcp-8bit-save": dict(scenario="dcp_8bit_save", shared=checkpoint)}, worker.main)
+        four = spawn(
+            4, {**CASES_4, "dcp-8bit-4": dict(scenario="dcp_8bit_other_world", shared=checkpoint)}, worker.main
+        )
+    return {2: two, 4: four}
 
 
 @pytest.mark.parametrize("world,case", [(2, c) for c in PARITY] + [(4, c) for c in CASES_4 if c in PARITY])
@@ -95,6 +105,15 @@ def test_resume_mid_window_is_bitwise(runs, case):
 def test_distributed_checkpoint(runs, case):
     for rank in runs[2]:
         assert rank[case] == {"refused_mid_window": True, "same": True}
+
+
+def test_an_8bit_checkpoint_of_another_world_size_is_refused(runs):
+    """8-bit FSDP2 state saved by 2 ranks does not load into 4: each rank's
+    block scales follow its own shard, so they cannot be resharded; the
+    scales' (W, blocks) shape makes the load fail instead of mixing them."""
+    for rank in runs[4]:
+        error = rank["dcp-8bit-4"]["error"]
+        assert error is not None and "scales" in error, error
 
 
 @pytest.mark.parametrize("world", [2, 4])
