@@ -359,6 +359,38 @@ def step_chunk(
 
 
 # ---- 8-bit state: a tile's blocks of 256 as rows --------------------------------
+# A tile starts at a block boundary of its tensor, so its blocks are the rows
+# of a (ROWS, 256) view; a state tensor's codes sit at ``offs``, its block
+# scales at the rows' block indices.
+
+
+@triton.jit
+def load_state8(codes, scales, offs, n, decode: tl.constexpr, MASKED: tl.constexpr):
+    """The fp32 values of a state tensor's codes, ``decode`` being
+    _formulas.decode_exp_avg or decode_exp_avg_sq (masked elements: 0)."""
+    TILE: tl.constexpr = offs.shape[0]
+    ROWS: tl.constexpr = TILE // f.STATE8_BLOCK
+    rows, row_mask = state8_rows(offs, n, ROWS)
+    scale = per_element(load(scales, rows, row_mask, MASKED), ROWS, TILE)
+    return decode(load(codes, offs, offs < n, MASKED), scale)
+
+
+@triton.jit
+def store_state8(
+    codes, scales, offs, n, stored, seed, slot: tl.constexpr, stream, encode: tl.constexpr, MASKED: tl.constexpr
+):
+    """Encode ``stored`` (exp_avg's m, or exp_avg_sq's r = sqrt(v)) with
+    ``encode`` (_formulas.encode_exp_avg or encode_exp_avg_sq) and the bits of
+    rounding slot ``slot``: the new scales are the rows' maxima of |stored|
+    (NaN where a row holds a NaN, as torch.amax)."""
+    TILE: tl.constexpr = offs.shape[0]
+    ROWS: tl.constexpr = TILE // f.STATE8_BLOCK
+    mask = offs < n
+    rows, row_mask = state8_rows(offs, n, ROWS)
+    new_scale = row_max(tl.where(mask, tl.abs(stored), 0.0), ROWS)
+    divisor = per_element(f.state8_divisor(new_scale), ROWS, TILE)
+    store(codes, offs, encode(stored, divisor, f.sr_draw(seed, slot, stream, offs)), mask, MASKED)
+    store(scales, rows, new_scale, row_mask, MASKED)
 
 
 @triton.jit

@@ -29,80 +29,6 @@ def _increment_steps_kernel(table, T, found_inf_ptr, has_found_inf):
 
 
 @triton.jit
-def _adam8_block(
-    w,
-    g,
-    hp,
-    param,
-    master,
-    exp_avg,
-    exp_avg_sq,
-    m_scales,
-    v_scales,
-    offs,
-    n,
-    seed,
-    stream,
-    PARAM_DTYPE: tl.constexpr,
-    MASTER_KIND: tl.constexpr,
-    STOCHASTIC: tl.constexpr,
-    MASKED: tl.constexpr,
-):
-    """8-bit state (formulas.h's decode_/encode_exp_avg and _exp_avg_sq): the
-    tile's blocks of 256 (a tile starts at a block boundary of its tensor) as
-    the rows of a 2-D view: decode, update, store the param, the new scales as
-    the rows' maxima (a NaN makes its row's scale NaN, as torch.amax), encode."""
-    (
-        step_size,
-        bias_correction2_sqrt,
-        eps,
-        weight_decay,
-        one_minus_beta1,
-        one_minus_beta2,
-        beta2_f,
-        adamw_decay,
-        adamw,
-        has_weight_decay,
-    ) = hp
-    TILE: tl.constexpr = offs.shape[0]
-    ROWS: tl.constexpr = TILE // f.STATE8_BLOCK
-    mask = offs < n
-    rows, row_mask = c.state8_rows(offs, n, ROWS)
-    m_scale = c.per_element(c.load(m_scales, rows, row_mask, MASKED), ROWS, TILE)
-    v_scale = c.per_element(c.load(v_scales, rows, row_mask, MASKED), ROWS, TILE)
-    m = f.decode_exp_avg(c.load(exp_avg, offs, mask, MASKED), m_scale)
-    v = f.decode_exp_avg_sq(c.load(exp_avg_sq, offs, mask, MASKED), v_scale)
-    w, m, v, _ = f.adam_update(
-        w,
-        g,
-        m,
-        v,
-        tl.zeros_like(g),
-        step_size,
-        bias_correction2_sqrt,
-        eps,
-        weight_decay,
-        one_minus_beta1,
-        one_minus_beta2,
-        beta2_f,
-        adamw_decay,
-        adamw,
-        has_weight_decay,
-        False,
-    )
-    r = tl.sqrt_rn(v)
-    m_new_scale = c.row_max(tl.where(mask, tl.abs(m), 0.0), ROWS)
-    r_new_scale = c.row_max(tl.where(mask, r, 0.0), ROWS)
-    m_divisor = c.per_element(f.state8_divisor(m_new_scale), ROWS, TILE)
-    r_divisor = c.per_element(f.state8_divisor(r_new_scale), ROWS, TILE)
-    c.store(exp_avg, offs, f.encode_exp_avg(m, m_divisor, f.sr_draw(seed, 1, stream, offs)), mask, MASKED)
-    c.store(exp_avg_sq, offs, f.encode_exp_avg_sq(r, r_divisor, f.sr_draw(seed, 2, stream, offs)), mask, MASKED)
-    c.store(m_scales, rows, m_new_scale, row_mask, MASKED)
-    c.store(v_scales, rows, r_new_scale, row_mask, MASKED)
-    c.store_weight(param, master, offs, w, mask, seed, stream, PARAM_DTYPE, MASTER_KIND, STOCHASTIC, MASKED)
-
-
-@triton.jit
 def _adam_block(
     ptrs,
     hp,
@@ -134,55 +60,42 @@ def _adam_block(
     mask = offs < n
     g = gs * c.load_f32(buffer, offs, mask, tl.float32, MASKED)
     w = c.load_weight(param, master, offs, mask, PARAM_DTYPE, MASTER_KIND, MASKED)
-    if STATE_DTYPE == tl.uint8:
-        _adam8_block(
-            w,
-            g,
-            hp,
-            param,
-            master,
-            exp_avg,
-            exp_avg_sq,
-            m_scales,
-            v_scales,
-            offs,
-            n,
-            seed,
-            stream,
-            PARAM_DTYPE,
-            MASTER_KIND,
-            STOCHASTIC,
-            MASKED,
-        )
+    v_max = tl.zeros_like(g)
+    if STATE_DTYPE == tl.uint8:  # 8-bit state (no amsgrad): codes and block scales
+        m = c.load_state8(exp_avg, m_scales, offs, n, f.decode_exp_avg, MASKED)
+        v = c.load_state8(exp_avg_sq, v_scales, offs, n, f.decode_exp_avg_sq, MASKED)
     else:
         m = c.load_f32(exp_avg, offs, mask, STATE_DTYPE, MASKED)
         v = c.load_f32(exp_avg_sq, offs, mask, STATE_DTYPE, MASKED)
-        v_max = tl.zeros_like(g)
         if AMSGRAD:
             v_max = c.load_f32(max_sq, offs, mask, STATE_DTYPE, MASKED)
-        w, m, v, v_max = f.adam_update(
-            w,
-            g,
-            m,
-            v,
-            v_max,
-            step_size,
-            bias_correction2_sqrt,
-            eps,
-            weight_decay,
-            one_minus_beta1,
-            one_minus_beta2,
-            beta2_f,
-            adamw_decay,
-            adamw,
-            has_weight_decay,
-            AMSGRAD,
-        )
+    w, m, v, v_max = f.adam_update(
+        w,
+        g,
+        m,
+        v,
+        v_max,
+        step_size,
+        bias_correction2_sqrt,
+        eps,
+        weight_decay,
+        one_minus_beta1,
+        one_minus_beta2,
+        beta2_f,
+        adamw_decay,
+        adamw,
+        has_weight_decay,
+        AMSGRAD,
+    )
+    if STATE_DTYPE == tl.uint8:
+        c.store_state8(exp_avg, m_scales, offs, n, m, seed, 1, stream, f.encode_exp_avg, MASKED)
+        c.store_state8(exp_avg_sq, v_scales, offs, n, tl.sqrt_rn(v), seed, 2, stream, f.encode_exp_avg_sq, MASKED)
+    else:
         c.store_state(exp_avg, offs, m, mask, seed, 1, stream, STATE_DTYPE, MASKED)
         c.store_state(exp_avg_sq, offs, v, mask, seed, 2, stream, STATE_DTYPE, MASKED)
         if AMSGRAD:
             c.store_state(max_sq, offs, v_max, mask, seed, 3, stream, STATE_DTYPE, MASKED)
-        c.store_weight(param, master, offs, w, mask, seed, stream, PARAM_DTYPE, MASTER_KIND, STOCHASTIC, MASKED)
+    c.store_weight(param, master, offs, w, mask, seed, stream, PARAM_DTYPE, MASTER_KIND, STOCHASTIC, MASKED)
 
 
 @triton.jit(do_not_specialize=["T", "C", "seed"])

@@ -38,29 +38,16 @@ def _sgd_block(
     g = gs * c.load_f32(buffer, offs, mask, tl.float32, MASKED)
     w = c.load_weight(param, master, offs, mask, PARAM_DTYPE, MASTER_KIND, MASKED)
     b = tl.zeros_like(g)
-    if STATE_DTYPE == tl.uint8 and MOMENTUM != f.NO_MOMENTUM:
-        # 8-bit momentum buffer (stored as exp_avg), as adam.py's _adam8_block
-        TILE: tl.constexpr = offs.shape[0]
-        ROWS: tl.constexpr = TILE // f.STATE8_BLOCK
-        rows, row_mask = c.state8_rows(offs, n, ROWS)
-        if MOMENTUM == f.RUNNING:
-            b = f.decode_exp_avg(
-                c.load(mom, offs, mask, MASKED), c.per_element(c.load(mom_scales, rows, row_mask, MASKED), ROWS, TILE)
-            )
-        w, b = f.sgd_update(
-            w, g, b, lr, momentum, one_minus_dampening, weight_decay, nesterov, has_weight_decay, MOMENTUM
-        )
-        new_scale = c.row_max(tl.where(mask, tl.abs(b), 0.0), ROWS)
-        divisor = c.per_element(f.state8_divisor(new_scale), ROWS, TILE)
-        c.store(mom, offs, f.encode_exp_avg(b, divisor, f.sr_draw(seed, 1, stream, offs)), mask, MASKED)
-        c.store(mom_scales, rows, new_scale, row_mask, MASKED)
-    else:
-        if MOMENTUM == f.RUNNING:
+    if MOMENTUM == f.RUNNING:
+        if STATE_DTYPE == tl.uint8:  # 8-bit momentum buffer, stored as exp_avg
+            b = c.load_state8(mom, mom_scales, offs, n, f.decode_exp_avg, MASKED)
+        else:
             b = c.load_f32(mom, offs, mask, STATE_DTYPE, MASKED)
-        w, b = f.sgd_update(
-            w, g, b, lr, momentum, one_minus_dampening, weight_decay, nesterov, has_weight_decay, MOMENTUM
-        )
-        if MOMENTUM != f.NO_MOMENTUM:
+    w, b = f.sgd_update(w, g, b, lr, momentum, one_minus_dampening, weight_decay, nesterov, has_weight_decay, MOMENTUM)
+    if MOMENTUM != f.NO_MOMENTUM:
+        if STATE_DTYPE == tl.uint8:
+            c.store_state8(mom, mom_scales, offs, n, b, seed, 1, stream, f.encode_exp_avg, MASKED)
+        else:
             c.store_state(mom, offs, b, mask, seed, 1, stream, STATE_DTYPE, MASKED)
     c.store_weight(param, master, offs, w, mask, seed, stream, PARAM_DTYPE, MASTER_KIND, STOCHASTIC, MASKED)
 
