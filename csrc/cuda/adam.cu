@@ -81,25 +81,10 @@ struct AdamFunctor {
 
 // 8-bit state (formulas.h's decode_/encode_exp_avg and _exp_avg_sq). Lists as
 // AdamFunctor's, then 7 exp_avg scales, 8 exp_avg_sq scales (one fp32 per
-// block of kState8Block; a chunk starts at a multiple of kChunk, so at a block
-// boundary). Each warp takes one block at a time, kPerLane elements a lane
-// (strided by the warp, so the accesses coalesce): decode, update and store
-// the param, keep the new moments (exp_avg_sq as r = sqrt(v)) in registers,
-// take the block's maxima across the warp (a NaN makes the scale NaN, as
-// torch.amax does), then encode.
+// block of kState8Block). A warp per block (step.cuh): decode, update and
+// store the param, keep the new moments (exp_avg_sq as r = sqrt(v)) in
+// registers, take the block's new scales across the warp, then encode.
 constexpr int kLists8 = 9;
-constexpr int kWarp = 32;
-constexpr int kPerLane = static_cast<int>(kState8Block) / kWarp;
-static_assert(kChunk % kState8Block == 0, "a chunk starts at a block boundary");
-
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
-    const float other = __shfl_xor_sync(0xFFFFFFFFu, x, offset);
-    x = x > other ? x : other;
-  }
-  return x;
-}
 
 template <Dtype P, WeightsKind K>
 struct Adam8Functor {
@@ -148,10 +133,8 @@ struct Adam8Functor {
         r_nan |= r != r;
         if (zero_buffers) buffer[i] = 0.0f;
       }
-      m_max = warp_max(m_max);
-      r_max = warp_max(r_max);
-      const float m_scale_new = state8_block_scale(m_max, __any_sync(0xFFFFFFFFu, m_nan) ? 1u : 0u);
-      const float r_scale_new = state8_block_scale(r_max, __any_sync(0xFFFFFFFFu, r_nan) ? 1u : 0u);
+      const float m_scale_new = warp_block_scale(m_max, m_nan);
+      const float r_scale_new = warp_block_scale(r_max, r_nan);
       const float m_divisor = state8_divisor(m_scale_new);
       const float r_divisor = state8_divisor(r_scale_new);
 #pragma unroll

@@ -58,21 +58,8 @@ struct SgdFunctor {
 };
 
 // 8-bit momentum buffers (stored as exp_avg, formulas.h): lists as
-// SgdFunctor's, then 4 their block scales; a warp per block, as adam.cu's
-// Adam8Functor (which states the layout and why).
+// SgdFunctor's, then 4 their block scales; a warp per block (step.cuh).
 constexpr int kLists8 = 5;
-constexpr int kWarp = 32;
-constexpr int kPerLane = static_cast<int>(kState8Block) / kWarp;
-static_assert(kChunk % kState8Block == 0, "a chunk starts at a block boundary");
-
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
-    const float other = __shfl_xor_sync(0xFFFFFFFFu, x, offset);
-    x = x > other ? x : other;
-  }
-  return x;
-}
 
 template <Dtype P, WeightsKind K, Momentum kMomentum>
 struct Sgd8Functor {
@@ -108,7 +95,7 @@ struct Sgd8Functor {
         b_nan |= b != b;
         if (zero_buffers) buffer[i] = 0.0f;
       }
-      const float new_scale = state8_block_scale(warp_max(b_max), __any_sync(0xFFFFFFFFu, b_nan) ? 1u : 0u);
+      const float new_scale = warp_block_scale(b_max, b_nan);
       const float divisor = state8_divisor(new_scale);
 #pragma unroll
       for (int k = 0; k < kPerLane; ++k) {

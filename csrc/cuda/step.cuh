@@ -130,6 +130,26 @@ __device__ __forceinline__ void store_state(const State<S, kSlot>& st, int64_t i
   store_pack<N>(st.data, i, x);
 }
 
+// ---- 8-bit state: a warp per block of kState8Block ----------------------------
+// The 8-bit step functors (adam.cu's Adam8Functor, sgd.cu's Sgd8Functor) give
+// each warp one block at a time, kPerLane elements a lane strided by the warp
+// (so the accesses coalesce); a chunk starts at a multiple of kChunk, so at a
+// block boundary.
+constexpr int kWarp = 32;
+constexpr int kPerLane = static_cast<int>(kState8Block) / kWarp;
+static_assert(kChunk % kState8Block == 0, "a chunk starts at a block boundary");
+
+// The block's new scale (formulas.h's state8_block_scale) from each lane's
+// maximum and NaN flag: the warp's maximum, NaN if any lane saw a NaN.
+__device__ __forceinline__ float warp_block_scale(float lane_max, bool lane_nan) {
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+    const float other = __shfl_xor_sync(0xFFFFFFFFu, lane_max, offset);
+    lane_max = lane_max > other ? lane_max : other;
+  }
+  return state8_block_scale(lane_max, __any_sync(0xFFFFFFFFu, lane_nan) ? 1u : 0u);
+}
+
 // A skipped window still clears its buffers.
 __device__ __forceinline__ void zero_chunk(float* buffer, int64_t n) {
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) buffer[i] = 0.0f;
