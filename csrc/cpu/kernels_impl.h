@@ -93,6 +93,18 @@ void sgd_loop(const W& weights_in, const St& momentum_in, const SrChunk& sr_in, 
   }
 }
 
+// Runs f(block, first element, length) over the blocks of kState8Block
+// elements of a chunk of n (which starts at a block boundary; the last block
+// may be shorter). The lengths are int32: the 8-bit loops index from their
+// block's first element with 32-bit k (64-bit index vectors spill, adam8_loop).
+template <typename F>
+inline __attribute__((always_inline)) void for_each_state8_block(int64_t n, F&& f) {
+  for (int64_t b = 0; b * kState8Block < n; ++b) {
+    const int64_t first = b * kState8Block;
+    f(b, first, static_cast<int32_t>(n - first < kState8Block ? n - first : kState8Block));
+  }
+}
+
 // SGD's momentum buffer in 8 bits (stored as exp_avg), as adam8_loop: per
 // block, decode (a running buffer), update, encode.
 template <Momentum kMomentum, bool kZero, typename W>
@@ -103,11 +115,9 @@ void sgd8_loop(const W& weights_in, const SrChunk& sr_in, const SgdChunk& c, flo
   const SrChunk sr = sr_in;
   alignas(64) float b_block[kState8Block];
   alignas(64) uint32_t draws[kState8Block];  // of rounding slot 1
-  for (int64_t blk = 0; blk * kState8Block < c.n; ++blk) {
-    const int64_t first = blk * kState8Block;
-    const int32_t n = static_cast<int32_t>(c.n - first < kState8Block ? c.n - first : kState8Block);
+  for_each_state8_block(c.n, [&](int64_t blk, int64_t first, int32_t n) {
     const W wb = w.at(first);
-    const SrChunk srb{sr.first_low + static_cast<uint32_t>(first), sr.key0, sr.key1};
+    const SrChunk srb = sr.at(first);
     float* AK_RESTRICT buffer = c.buffer + first;
     uint8_t* AK_RESTRICT codes = static_cast<uint8_t*>(c.momentum_buffer) + first;
     if (kMomentum == Momentum::kRunning) {
@@ -134,7 +144,7 @@ void sgd8_loop(const W& weights_in, const SrChunk& sr_in, const SgdChunk& c, flo
 #pragma omp simd
     for (int32_t k = 0; k < n; ++k) codes[k] = encode_exp_avg(b_block[k], divisor, draws[k]);
     c.momentum_buffer_scales[blk] = scale_new;
-  }
+  });
 }
 
 void sgd_chunk(const StepCall& call, const SgdHyper& h, Momentum momentum, const SgdChunk& c) {
@@ -192,11 +202,10 @@ void adam_loop(const W& weights_in, const M& m_in, const V& v_in, const VMax& v_
 // block in three loops over fp32 locals: decode the old moments; update them,
 // step and store the param, and take the new moments' block maxima (exp_avg_sq
 // as r = sqrt(v)), the new scales (state8_block_scale); encode. Why three
-// loops, not one: a loop that reads
-// uint8 codes is vectorized at 64 lanes, and with the whole update in it its
-// fp32 values no longer fit the registers (measured 1.25x slower); and the
-// loops index from the block's start with 32-bit k, as 64-bit index vectors
-// spill too.
+// loops, not one: a loop that reads uint8 codes is vectorized at 64 lanes, and
+// with the whole update in it its fp32 values no longer fit the registers
+// (measured 1.25x slower); and the loops index from the block's start with
+// 32-bit k, as 64-bit index vectors spill too.
 template <typename Flags, bool kZero, typename W>
 void adam8_loop(const W& weights_in, const SrChunk& sr_in, const AdamChunk& c, float grad_scale,
                 const AdamHyper& hyper) {
@@ -208,11 +217,9 @@ void adam8_loop(const W& weights_in, const SrChunk& sr_in, const AdamChunk& c, f
   alignas(64) float m_block[kState8Block];  // exp_avg: old, then new
   alignas(64) float v_block[kState8Block];  // exp_avg_sq: old v, then new r = sqrt(v)
   alignas(64) uint32_t draws[kState8Block];  // of rounding slots 1 and 2
-  for (int64_t b = 0; b * kState8Block < c.n; ++b) {
-    const int64_t first = b * kState8Block;
-    const int32_t n = static_cast<int32_t>(c.n - first < kState8Block ? c.n - first : kState8Block);
+  for_each_state8_block(c.n, [&](int64_t b, int64_t first, int32_t n) {
     const W wb = w.at(first);
-    const SrChunk srb{sr.first_low + static_cast<uint32_t>(first), sr.key0, sr.key1};
+    const SrChunk srb = sr.at(first);
     float* AK_RESTRICT buffer = c.buffer + first;
     uint8_t* AK_RESTRICT m_codes = static_cast<uint8_t*>(c.exp_avg) + first;
     uint8_t* AK_RESTRICT v_codes = static_cast<uint8_t*>(c.exp_avg_sq) + first;
@@ -256,7 +263,7 @@ void adam8_loop(const W& weights_in, const SrChunk& sr_in, const AdamChunk& c, f
     }
     c.exp_avg_scales[b] = m_scale_new;
     c.exp_avg_sq_scales[b] = r_scale_new;
-  }
+  });
 }
 
 void adam8_chunk(const StepCall& call, const AdamHyper& h, const AdamChunk& c, const SrChunk& sr) {

@@ -146,6 +146,9 @@ struct SrChunk {
   uint32_t first_low;  // low 32 bits of the chunk's first element index
   uint32_t key0;       // slots 0 and 3
   uint32_t key1;       // slots 1 and 2
+
+  // The same draws from element `first` of the chunk on.
+  AK_HD SrChunk at(int64_t first) const { return {first_low + static_cast<uint32_t>(first), key0, key1}; }
 };
 
 AK_HD SrChunk sr_chunk(uint32_t seed, uint32_t stream, int64_t first) {
