@@ -284,6 +284,19 @@ def test_the_wrapper_on_a_kernel_backend_steps_as_on_the_reference(backend_name)
         assert all(torch.equal(state[i][k], ref_state[i][k]) for k in ref_state[i]), f"param {i}'s state"
 
 
+def _resume_and_go_on(model, opt, state_dict, make, generator):
+    """A copy of ``model`` with a wrapper ``make(copy)`` that loaded
+    ``state_dict`` (saved from ``opt`` now); then 5 more micro-steps of the
+    same batches on both pairs. Returns (the copy, its wrapper)."""
+    twin = copy.deepcopy(model)
+    resumed = make(twin)
+    resumed.load_state_dict(state_dict)
+    twin_generator = copy.deepcopy(generator)
+    _micro_steps(model, opt, 5, generator)
+    _micro_steps(twin, resumed, 5, twin_generator)
+    return twin, resumed
+
+
 def test_state_dict_holds_codes_and_scales_and_resumes_bitwise_mid_window():
     model = _model()
     opt = _wrapped(model)
@@ -293,12 +306,7 @@ def test_state_dict_holds_codes_and_scales_and_resumes_bitwise_mid_window():
     entry = sd["state"][0]
     assert sorted(entry) == ["exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales", "step"]
     assert entry["exp_avg_codes"].dtype == torch.uint8 and entry["exp_avg_scales"].dtype == torch.float32
-    twin = copy.deepcopy(model)
-    resumed = _wrapped(twin)
-    resumed.load_state_dict(sd)
-    g_twin = copy.deepcopy(g)
-    _micro_steps(model, opt, 5, g)
-    _micro_steps(twin, resumed, 5, g_twin)
+    twin, resumed = _resume_and_go_on(model, opt, sd, _wrapped, g)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
     for a, b in zip(opt.state_dict()["state"].values(), resumed.state_dict()["state"].values()):
         assert all(torch.equal(a[k], b[k]) for k in a)
@@ -505,12 +513,7 @@ def test_sgd_wrapper_keeps_8bit_momentum_and_resumes_bitwise():
     _micro_steps(model, opt, 5, g)
     sd = copy.deepcopy(opt.state_dict())
     assert sorted(sd["state"][0]) == ["momentum_buffer_codes", "momentum_buffer_scales"]
-    twin = copy.deepcopy(model)
-    resumed = wrapped(twin)
-    resumed.load_state_dict(sd)
-    g_twin = copy.deepcopy(g)
-    _micro_steps(model, opt, 5, g)
-    _micro_steps(twin, resumed, 5, g_twin)
+    twin, _ = _resume_and_go_on(model, opt, sd, wrapped, g)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
     plain = torch.optim.SGD(copy.deepcopy(model).parameters(), lr=0.05, momentum=0.9, dampening=0.1)
     dequantized = ak.optim.dequantized_state_dict(opt.state_dict())
