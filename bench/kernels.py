@@ -15,7 +15,9 @@ Bytes model (per element, what the pass must move at least):
   SGD step, fp32 params, no momentum  16 = read p, g (8) + write p, g=0 (8)
 The torch baselines are charged the same model (their extra passes show up as
 lower GB/s). The ceiling is torch's own fp32 ``buf.add_(grad)`` (12 B/element)
-on the same device, timed in the same run.
+on the same device, timed in the same run. On the CPU the AdamW steps are
+also timed on one thread over cache-resident tensors (compute_floor): their
+arithmetic per element, which bounds a step apart from memory.
 
 Every path is checked for correctness before it is timed.
 """
@@ -387,6 +389,84 @@ def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
     return {"rows": rows, "numel": numel, "list_numel": list_numel}
 
 
+# The AdamW steps whose arithmetic floor compute_floor measures: (key of the
+# same case in run()'s rows, label, param dtype, state: a dtype or "8bit").
+FLOOR_CASES = (
+    ("adamw", "fp32 params, fp32 state", torch.float32, torch.float32),
+    ("adamw_bf16_fp32_state", "bf16 params, fp32 state, stochastic rounding", torch.bfloat16, torch.float32),
+    ("adamw_bf16_state", "bf16 params, bf16 state, stochastic rounding (defaults)", torch.bfloat16, torch.bfloat16),
+    ("adamw_bf16_8bit", "bf16 params, 8-bit state, stochastic rounding", torch.bfloat16, "8bit"),
+)
+
+
+def compute_floor(backend: str, reps: int, sizes: tuple[int, int] = (2**12, 2**15), inner: int = 32) -> list[dict]:
+    """CPU only: each AdamW step's arithmetic cost per element, apart from
+    memory: one thread, tensors small enough to stay in the core's cache
+    (2^15 elements: under 0.5 MB with fp32 state), as the slope of the call's
+    time between two sizes (so the per-call overhead cancels). A step over
+    ``numel`` elements on T threads cannot take less than
+    ``ns_per_element * numel / T``, however fast the memory: where that exceeds
+    the bytes model's time at the ceiling's GB/s, the step is compute-bound."""
+    from accumkernels import _state8
+
+    def step_fn(n: int, param_dtype, state):
+        p = torch.randn(n).to(param_dtype)
+        g = torch.randn(n) * 1e-3
+        step = torch.zeros(())
+        if state == "8bit":
+            m, v = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+            extra = dict(
+                exp_avg_scales=[torch.zeros(_state8.scales_numel(n))],
+                exp_avg_sq_scales=[torch.zeros(_state8.scales_numel(n))],
+            )
+        else:
+            m, v, extra = torch.zeros(n, dtype=state), torch.zeros(n, dtype=state), {}
+        sr = param_dtype == torch.bfloat16
+
+        def fn():
+            for _ in range(inner):
+                ak.adamw_step_and_zero_(
+                    [p], [g], [m], [v], [step], lr=1e-3, stochastic_rounding=sr, seed=3, backend=backend, **extra
+                )
+
+        return fn
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fns = [step_fn(n, pd, st) for _, _, pd, st in FLOOR_CASES for n in sizes]
+        seconds = common.interleaved_medians(fns, torch.device("cpu"), reps=reps)
+    finally:
+        torch.set_num_threads(threads)
+    rows = []
+    for i, (key, label, _, _) in enumerate(FLOOR_CASES):
+        small, large = seconds[2 * i], seconds[2 * i + 1]
+        ns = (large - small) / inner / (sizes[1] - sizes[0]) * 1e9
+        rows.append({"key": f"{key}[{backend}]", "name": f"adamw_step_and_zero_ {label}", "ns_per_element": ns})
+        print(f"  floor      {label:66s} {ns:9.3f} ns/element (1 thread, in cache)", flush=True)
+    return rows
+
+
+def floor_table(floor_rows: list[dict], rows: list[dict], numel: int, threads: int) -> list[dict]:
+    """Each step's measured time beside its arithmetic floor on ``threads``
+    threads and its bytes model's time at the same group's ceiling GB/s."""
+    by_key = {r["key"]: r for r in rows}
+    out = []
+    for f in floor_rows:
+        r = by_key.get(f["key"])
+        if r is None:
+            continue
+        out.append(
+            {
+                "name": f["name"],
+                "measured_ms": r["median_ms"],
+                "floor_compute_ms": f["ns_per_element"] * numel / threads / 1e6,
+                "floor_memory_ms": r["bytes_per_element"] * numel / (r["ceiling_gbps"] * 1e9) * 1e3,
+            }
+        )
+    return out
+
+
 def size_sweep(device: torch.device, sizes: list[int], reps: int) -> list[dict]:
     """accumulate_ (bf16 -> fp32) against torch's mixed-dtype add_ and the
     ceiling, over sizes: GB/s by the same bytes models."""
@@ -509,7 +589,11 @@ def main(argv=None) -> int:
     native = "cuda" if device.type == "cuda" else "cpu"
     backend = native if native in ak.available_backends() else None
     heads = headline(result, backend, device.type) if backend else []
-    payload = {"machine": record, "quick": args.quick, **result, "headline": heads}
+    floors = []
+    if device.type == "cpu" and backend:
+        floor_rows = compute_floor(backend, reps)
+        floors = floor_table(floor_rows, result["rows"], numel, torch.get_num_threads())
+    payload = {"machine": record, "quick": args.quick, **result, "headline": heads, "floors": floors}
     name = args.out or f"kernels-{device.type}{'-quick' if args.quick else ''}"
     path = common.write_results(name, payload, args.results_dir)
 
@@ -533,6 +617,20 @@ def main(argv=None) -> int:
         else "torch's fp32 buf.add_(grad) (12 B/element)"
     )
     print(f"\nceiling: {ceiling}, timed in each group, interleaved with its cases")
+    if floors:
+        print()
+        print(
+            common.table(
+                floors,
+                [
+                    ("name", f"AdamW step, {numel} elements, {torch.get_num_threads()} threads", "s"),
+                    ("measured_ms", "measured ms", ".2f"),
+                    ("floor_compute_ms", "arithmetic floor ms", ".2f"),
+                    ("floor_memory_ms", "bytes at ceiling ms", ".2f"),
+                ],
+            )
+        )
+        print("arithmetic floor: ns/element on one thread in cache (compute_floor) x elements / threads")
     print()
     print(
         common.table(

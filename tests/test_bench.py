@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,12 @@ def test_kernel_benchmark_quick_mode(native_only, tmp_path):
     assert "accumulate_ bf16 GB/s / ceiling GB/s" in heads
     assert all(h["value"] > 0 and h["target"] > 0 and isinstance(h["met"], bool) for h in heads.values())
     assert "headline [cpu]" in out.stdout
+    # Each AdamW step beside its arithmetic floor (one thread, in cache) and its bytes at the ceiling:
+    # the floor is a difference of two timings, so only its presence and finiteness are asserted.
+    floors = {f["name"]: f for f in result["floors"]}
+    assert len(floors) == 4 and any("8-bit state" in name for name in floors)
+    assert all(math.isfinite(f["floor_compute_ms"]) and f["floor_memory_ms"] > 0 for f in floors.values())
+    assert "arithmetic floor ms" in out.stdout
 
 
 @pytest.mark.slow
