@@ -169,9 +169,17 @@ def _check_step_tensors(
     if master_params:
         checks.check_length(op, master_params, "master_params", len(params), "one master weight per param, or None")
     device = params[0].device
+    # One kind of buffer per call: every buffer fp32 (the window's sums), or,
+    # where any is narrower, every buffer a gradient of its param's dtype.
+    narrow = any(isinstance(b, torch.Tensor) and b.dtype != torch.float32 for b in buffers)
     for i, p in enumerate(params):
         checks.check_tensor(op, p, "params", i, device, checks.PARAM_DTYPES)
-        checks.check_like(op, buffers[i], "buffers", i, p, "params", checks.F32)
+        if narrow and isinstance(buffers[i], torch.Tensor) and buffers[i].dtype != p.dtype:
+            raise TypeError(
+                f"{op}: buffers[{i}] is {buffers[i].dtype} and params[{i}] {p.dtype}; expected every buffer float32 "
+                "(the window's sums), or every buffer of its param's dtype (a gradient, read as it is)"
+            )
+        checks.check_like(op, buffers[i], "buffers", i, p, "params", (p.dtype,) if narrow else checks.F32)
         if master_params:
             if p.dtype == torch.float32:
                 raise TypeError(
@@ -272,7 +280,10 @@ def sgd_step_and_zero_(
 
     Args:
         params: fp32, bf16 or fp16 tensors, updated in place.
-        buffers: the fp32 gradient sums, one per param, laid out like it.
+        buffers: the fp32 gradient sums, one per param, laid out like it; or,
+            where nothing was summed (a window of one micro-batch), each
+            param's gradient in the param's own dtype, read as it is (every
+            buffer of a call is fp32, or every buffer of its param's dtype).
         momentum_buffers: the state ``b``, one per param, all fp32 or all bf16
             (bf16: rounded stochastically, see below) or all uint8: 8-bit codes
             with block scales as Adam's exp_avg (accumkernels._state8; encoded
@@ -384,7 +395,10 @@ _ADAM_DOC = """One torch.optim.{cls} step from fp32 gradient buffers, then clear
 
     Args:
         params: fp32, bf16 or fp16 tensors, updated in place.
-        buffers: the fp32 gradient sums, one per param, laid out like it.
+        buffers: the fp32 gradient sums, one per param, laid out like it; or,
+            where nothing was summed (a window of one micro-batch), each
+            param's gradient in the param's own dtype, read as it is (every
+            buffer of a call is fp32, or every buffer of its param's dtype).
         exp_avgs, exp_avg_sqs: the state (``m``, ``v``), one per param; all
             state tensors of a call fp32, or all bf16 (rounded stochastically,
             as sgd_step_and_zero_ describes), or all uint8: 8-bit codes with

@@ -70,7 +70,8 @@ inline void check_scalar_tensor(const char* op, const std::optional<at::Tensor>&
 }
 
 // The tensors every step-and-zero op takes: params (any supported dtype,
-// the device of params[0]), fp32 buffers laid out like them and optional
+// the device of params[0]), buffers laid out like them (all fp32 sums, or
+// all gradients of their param's dtype, read as they are) and optional
 // master weights, which only make sense for low-precision params: fp32 copies
 // (bf16 or fp16 params) or int16 remainders (bf16 params), one dtype per call.
 inline void check_step_tensors(const char* op, at::TensorList params, at::TensorList buffers,
@@ -80,10 +81,18 @@ inline void check_step_tensors(const char* op, at::TensorList params, at::Tensor
     check_length(op, master_params, "master_params", params.size(),
                  "one master weight per param, or none");
   }
+  bool narrow = false;  // some buffer is a 16-bit gradient
+  for (const at::Tensor& b : buffers) narrow |= b.defined() && b.scalar_type() != at::kFloat;
   for (size_t i = 0; i < params.size(); ++i) {
     check_tensor(op, params[i], "params", i, params[0].device(),
                  {at::kFloat, at::kBFloat16, at::kHalf});
-    check_like(op, buffers[i], "buffers", i, params[i], "params", {at::kFloat});
+    check_like(op, buffers[i], "buffers", i, params[i], "params",
+               {at::kFloat, params[i].scalar_type()});
+    // One kind per call: fp32 sums, or (where any buffer is narrower) gradients of the params' dtypes.
+    TORCH_CHECK_TYPE(buffers[i].scalar_type() == (narrow ? params[i].scalar_type() : at::kFloat), op,
+                     ": buffers[", i, "] has dtype ", buffers[i].scalar_type(), " and params[", i, "] ",
+                     params[i].scalar_type(), "; expected every buffer float32, or every buffer of its "
+                     "param's dtype");
     if (!master_params.empty()) {
       TORCH_CHECK_TYPE(params[i].scalar_type() != at::kFloat, op, ": params[", i,
                        "] is float32 but master_params were given; master weights are for "

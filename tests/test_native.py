@@ -310,6 +310,23 @@ ISA_CHECK = textwrap.dedent(
                                     stochastic_rounding=True, seed=77, backend=backend)
             runs.append([x[0] for x in state])
         assert all(torch.equal(a, b) for a, b in zip(*runs)), ("8-bit state", n)
+    # A gradient of the param's dtype read in place of the fp32 buffer steps as
+    # its (exact) fp32 value: SGD with momentum and 8-bit AdamW, to the bit.
+    for dtype in (torch.bfloat16, torch.float16):
+        for n in (1, 257, 65537):
+            p, g = torch.randn(n).to(dtype), torch.randn(n).to(dtype)
+            runs = []
+            for grad in (g, g.float()):
+                ps, moms = [p.clone()], [torch.randn(n, generator=torch.Generator().manual_seed(n))]
+                ak.sgd_step_and_zero_(ps, [grad.clone()], moms, lr=0.1, momentum=0.9, zero_buffers=False,
+                                      backend="cpu")
+                state = [torch.zeros(n, dtype=torch.uint8)], [torch.zeros(n, dtype=torch.uint8)]
+                scales = [torch.zeros(-(-n // 256))], [torch.zeros(-(-n // 256))]
+                ak.adamw_step_and_zero_(ps, [grad.clone()], *state, [torch.tensor(0.0)], exp_avg_scales=scales[0],
+                                        exp_avg_sq_scales=scales[1], lr=0.1, zero_buffers=False,
+                                        stochastic_rounding=dtype == torch.bfloat16, seed=5, backend="cpu")
+                runs.append([ps[0], moms[0], *state[0], *state[1], *scales[0], *scales[1]])
+            assert all(torch.equal(a, b) for a, b in zip(*runs)), ("narrow gradients", dtype, n)
     xs = [torch.randn(300001)]
     assert abs(ak.grad_norm(xs, backend="cpu").item() - xs[0].double().norm().item()) < 1e-3
     print("ok")

@@ -307,6 +307,93 @@ def test_found_inf_skips_and_still_zeroes(backend, kind):
     assert all(not b.any() for b in buffers), "a skipped step still clears the buffers"
 
 
+GRAD_STATES = [torch.float32, torch.bfloat16, "8bit"]
+
+
+def _step_from(kind, backend, params, buffers, state_dtype, zero_buffers, found_inf=None):
+    """Two steps of ``kind`` over copies of ``params`` from ``buffers`` (kept as
+    given: the second step reads what the first left), with fresh state of
+    ``state_dtype``; returns the params and every state tensor."""
+    params = [p.clone() for p in params]
+    eight = state_dtype == "8bit"
+    dtype = torch.uint8 if eight else state_dtype
+    first = [torch.zeros(p.numel(), dtype=dtype) for p in params]
+    second = [torch.zeros(p.numel(), dtype=dtype) for p in params]
+    scales = [[torch.zeros(-(-p.numel() // 256)) for p in params] for _ in range(2)] if eight else [None, None]
+    steps = [torch.zeros(()) for _ in params]
+    for k in range(2):
+        common = dict(
+            grad_scale=torch.tensor([0.75]),
+            found_inf=found_inf,
+            zero_buffers=zero_buffers,
+            stochastic_rounding=True,
+            seed=5 + k,
+            backend=backend,
+        )
+        if kind == "sgd":
+            ak.sgd_step_and_zero_(
+                params,
+                buffers,
+                first,
+                momentum_buffer_scales=scales[0],
+                lr=0.1,
+                momentum=0.9,
+                weight_decay=0.01,
+                is_first_step=k == 0,
+                **common,
+            )
+        else:
+            ak.adamw_step_and_zero_(
+                params,
+                buffers,
+                first,
+                second,
+                steps,
+                exp_avg_scales=scales[0],
+                exp_avg_sq_scales=scales[1],
+                lr=0.01,
+                weight_decay=0.1,
+                **common,
+            )
+    return params + first + second + [s for ss in scales if ss for s in ss]
+
+
+@pytest.mark.parametrize("state_dtype", GRAD_STATES, ids=["fp32-state", "bf16-state", "8bit-state"])
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_gradients_of_the_param_dtype_step_as_their_fp32_values(backend, kind, state_dtype):
+    """A window of one micro-batch holds no fp32 buffer: the step reads each
+    param's gradient in its own dtype. bf16 and fp16 values are exact in fp32,
+    so the result (params, state, 8-bit codes and scales) equals, bit for bit,
+    the same backend's step from the fp32 copies of those gradients; the
+    gradients are left as they are (zero_buffers=False), or cleared."""
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.bfloat16]
+    sizes = [33, 70001, 1000, 257]
+    params = [randn(n, torch.float32).to(d) for n, d in zip(sizes, dtypes)]
+    grads = [randn(n, torch.float32, offset=i % 2).to(d) for i, (n, d) in enumerate(zip(sizes, dtypes))]
+    wide = [g.float() for g in grads]
+    kept = [g.clone() for g in grads]
+    ours = _step_from(kind, backend, params, grads, state_dtype, zero_buffers=False)
+    theirs = _step_from(kind, backend, params, wide, state_dtype, zero_buffers=False)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+    assert all(torch.equal(g, k) for g, k in zip(grads, kept)), "zero_buffers=False leaves the gradients"
+    _step_from(kind, backend, params, grads, state_dtype, zero_buffers=True)
+    assert all(g.dtype == k.dtype and not g.any() for g, k in zip(grads, kept)), "zero_buffers clears them"
+    skipped = [g.clone() for g in kept]
+    before = [p.clone() for p in params]
+    out = _step_from(kind, backend, params, skipped, state_dtype, zero_buffers=True, found_inf=torch.ones(1))
+    assert all(torch.equal(a, b) for a, b in zip(out, before)) and not any(g.any() for g in skipped)
+
+
+def test_a_call_mixing_fp32_sums_and_narrow_gradients_is_refused(backend):
+    params = [torch.randn(8).bfloat16(), torch.randn(8).bfloat16()]
+    buffers = [torch.randn(8), torch.randn(8).bfloat16()]
+    kept = [p.clone() for p in params]
+    with pytest.raises(TypeError, match=r"buffers\[0\] is torch.float32 and params\[0\] torch.bfloat16"):
+        ak.sgd_step_and_zero_(params, buffers, lr=0.1, backend=backend)
+    assert all(torch.equal(p, k) for p, k in zip(params, kept))
+
+
 def test_zero_buffers_false_keeps_buffers(backend):
     params = [torch.randn(100)]
     buffers = [torch.randn(100)]

@@ -46,9 +46,10 @@ def test_every_variant_compiles_for_sm90(compiled_variants):
     expected = {v[0] for v in triton_variants.variants()}
     assert {r["name"] for r in compiled_variants} == expected
     # accumulate: dtype x overwrite x aligned; steps: every param kind (dtype, master weights or
-    # remainders, stochastic rounding) x state dtype x aligned x family variant; 8-bit state:
-    # every param kind x aligned x (Adam, SGD's two momentum modes); 4 others
-    assert len(expected) == 12 + 7 * 2 * 2 * 5 + 7 * 2 * 3 + 4
+    # remainders, stochastic rounding) x the buffers it reads (fp32 sums; 16-bit params also their
+    # own dtype's gradients: 1 + 6 * 2 = 13) x state dtype x aligned x family variant; 8-bit state:
+    # the 13 x aligned x (Adam, SGD's two momentum modes); 4 others
+    assert len(expected) == 12 + 13 * 2 * 2 * 5 + 13 * 2 * 3 + 4
 
 
 def test_aligned_variants_use_16_byte_accesses(compiled_variants):

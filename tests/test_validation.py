@@ -226,6 +226,11 @@ def test_native_ops_check_arguments_too(native_only):
     )
     with pytest.raises(ValueError, match=r"buffers\[0\]"):
         ops.sgd_step_and_zero_(params=[torch.zeros(10)], buffers=[torch.zeros(9)], **sgd)
+    bf16 = [torch.zeros(10).bfloat16(), torch.zeros(10).bfloat16()]
+    with pytest.raises(TypeError, match=r"buffers\[0\] has dtype Float and params\[0\] BFloat16"):
+        ops.sgd_step_and_zero_(params=bf16, buffers=[torch.zeros(10), torch.zeros(10).bfloat16()], **sgd)
+    with pytest.raises(TypeError, match=r"buffers\[0\]"):
+        ops.sgd_step_and_zero_(params=bf16[:1], buffers=[torch.zeros(10).half()], **sgd)
     with pytest.raises(ValueError, match="positions"):
         ops.sgd_step_and_zero_(params=[torch.zeros(10)], buffers=[torch.zeros(10)], **{**sgd, "positions": [1, 2]})
     with pytest.raises(ValueError, match=r"positions\[0\]"):

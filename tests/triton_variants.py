@@ -33,6 +33,8 @@ PARAM_KINDS = [
     ("fp16", 1, False),
 ]
 STATE_DTYPES = ("fp32", "bf16")
+# The buffers a step reads: fp32 sums, or gradients of the param's dtype.
+GRAD_KINDS = ("sums", "param")
 TABLE = {"table": "*i64", "T": "i32", "C": "i32"}
 # The optional scale and inf-flag tensors (a flag and a pointer each) and the
 # buffers' zeroing are runtime arguments, not variants.
@@ -87,36 +89,43 @@ def variants():
         "adamw": "i1",
         "has_weight_decay": "i1",
     }
-    for (dtype, master, sr), state, aligned in itertools.product(PARAM_KINDS, STATE_DTYPES, BOOLS):
+    for (dtype, master, sr), state, grads, aligned in itertools.product(PARAM_KINDS, STATE_DTYPES, GRAD_KINDS, BOOLS):
+        if grads == "param" and dtype == "fp32":
+            continue  # the same variant as fp32 sums
         common = dict(
             PARAM_DTYPE=DTYPES[dtype],
             MASTER_KIND=master,
             STOCHASTIC=sr,
             STATE_DTYPE=DTYPES[state],
+            GRAD_DTYPE=DTYPES[dtype if grads == "param" else "fp32"],
             ALIGNED=aligned,
             **blocks,
         )
-        tag = f"{dtype}-master{master:d}-sr{sr:d}-state{state}-aligned{aligned:d}"
+        tag = f"{dtype}-master{master:d}-sr{sr:d}-state{state}-grads{grads}-aligned{aligned:d}"
         for momentum in (0, 1, 2):
             yield f"sgd-{tag}-momentum{momentum}", "sgd", sgd_types, dict(MOMENTUM=momentum, **common), aligned
         for amsgrad in BOOLS:
             yield f"adam-{tag}-amsgrad{amsgrad:d}", "adam", adam_types, dict(AMSGRAD=amsgrad, **common), aligned
     # 8-bit state (uint8 codes with block scales): Adam without amsgrad, SGD with momentum.
-    for (dtype, master, sr), aligned in itertools.product(PARAM_KINDS, BOOLS):
+    for (dtype, master, sr), grads, aligned in itertools.product(PARAM_KINDS, GRAD_KINDS, BOOLS):
+        if grads == "param" and dtype == "fp32":
+            continue
         constexprs = dict(
             PARAM_DTYPE=DTYPES[dtype],
             MASTER_KIND=master,
             STOCHASTIC=sr,
             STATE_DTYPE=tl.uint8,
+            GRAD_DTYPE=DTYPES[dtype if grads == "param" else "fp32"],
             ALIGNED=aligned,
             AMSGRAD=False,
             **blocks,
         )
-        name = f"adam-{dtype}-master{master:d}-sr{sr:d}-state8bit-aligned{aligned:d}"
+        tag = f"{dtype}-master{master:d}-sr{sr:d}-state8bit-grads{grads}-aligned{aligned:d}"
+        name = f"adam-{tag}"
         yield name, "adam", adam_types, constexprs, aligned
         for momentum in (1, 2):  # SGD's 8-bit momentum buffer: first step, running
             sgd_constexprs = {k: v for k, v in constexprs.items() if k != "AMSGRAD"}
-            name = f"sgd-{dtype}-master{master:d}-sr{sr:d}-state8bit-aligned{aligned:d}-momentum{momentum}"
+            name = f"sgd-{tag}-momentum{momentum}"
             yield name, "sgd", sgd_types, dict(MOMENTUM=momentum, **sgd_constexprs), aligned
     yield (
         "increment-steps",

@@ -227,7 +227,7 @@ def sgd_step_and_zero_(
     for i, (param, buffer) in enumerate(zip(params, buffers)):
         master = master_params[i] if master_params else None
         p = _weights(param, master)
-        g = buffer.reshape(param.shape) * s
+        g = buffer.reshape(param.shape).float() * s  # fp32 sums, or gradients in the param's dtype
         if weight_decay != 0:
             g = g + weight_decay * p
         if momentum != 0:
@@ -281,7 +281,7 @@ def _adam(
         master = master_params[i] if master_params else None
         m, v, step = exp_avgs[i], exp_avg_sqs[i], state_steps[i]
         p = _weights(param, master)
-        g = buffer.reshape(param.shape) * s
+        g = buffer.reshape(param.shape).float() * s  # fp32 sums, or gradients in the param's dtype
         if weight_decay != 0:
             if adamw:
                 p = p * (1.0 - lr * weight_decay)

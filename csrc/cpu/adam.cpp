@@ -31,12 +31,12 @@ void run_adam(const AdamArgs& a) {
        group_by_dtype(a.params, {a.params, a.master_params, a.buffers, a.exp_avgs, a.exp_avg_sqs,
                                  a.max_exp_avg_sqs, a.exp_avg_scales, a.exp_avg_sq_scales})) {
     const StepCall call =
-        step_call(g, a.masters, a.sr, a.state_dtype, a.state8, a.scale.scale(), a.zero_buffers);
+        step_call(g, a.buffers, a.masters, a.sr, a.state_dtype, a.state8, a.scale.scale(), a.zero_buffers);
     for_each_chunk(
         g,
         [&](size_t t, int64_t offset, int64_t length) {
           k.adam(call, a.hyper,
-                 {weights_at(g, a.masters, a.sr, t, offset), f32_at(g.pointers[2], t, offset),
+                 {weights_at(g, a.masters, a.sr, t, offset), buffer_at(g.pointers[2], t, offset, call),
                   state_at(g.pointers[3], t, offset, call), state_at(g.pointers[4], t, offset, call),
                   state_at(g.pointers[5], t, offset, call), f32_at(g.pointers[6], t, offset / kState8Block),
                   f32_at(g.pointers[7], t, offset / kState8Block), length, per_tensor[g.indices[t]]});

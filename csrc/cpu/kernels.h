@@ -35,6 +35,7 @@ struct WeightsChunk {
 struct StepCall {
   Dtype param_dtype;
   WeightsKind weights;
+  Dtype grad_dtype;   // of the chunks' buffers: fp32 sums, or gradients of the param's dtype
   Dtype state_dtype;  // of every state tensor of the call: fp32 or bf16 (fp32 when state8)
   bool state8;        // the state tensors are 8-bit codes with block scales
   uint32_t seed;
@@ -42,10 +43,10 @@ struct StepCall {
   bool zero_buffers;
 };
 
-// State pointers are of StepCall::state_dtype.
+// Buffer pointers are of StepCall::grad_dtype, state pointers of StepCall::state_dtype.
 struct SgdChunk {
   WeightsChunk weights;
-  float* buffer;
+  void* buffer;
   void* momentum_buffer;  // nullptr when momentum == 0
   // 8-bit state (StepCall::state8): momentum_buffer holds uint8 codes, these
   // their blocks' scales from the chunk's first block on; else nullptr.
@@ -55,7 +56,7 @@ struct SgdChunk {
 
 struct AdamChunk {
   WeightsChunk weights;
-  float* buffer;
+  void* buffer;
   void* exp_avg;
   void* exp_avg_sq;
   void* max_exp_avg_sq;  // nullptr unless amsgrad

@@ -56,40 +56,58 @@ State<S, kSlot> state(void* data) {
   return {static_cast<typename Storage<S>::type*>(data)};
 }
 
-// Calls f(Weights<...>{...}) with the weights type of this call.
+// Calls f(Weights<...>{...}, std::integral_constant<Dtype, G>) with the
+// weights type of this call and the dtype G of its buffers: fp32 sums, or
+// gradients of the param's dtype (read as they are).
 template <typename F>
 void with_param_weights(const StepCall& call, const WeightsChunk& c, F&& f) {
   with_dtype(call.param_dtype, [&](auto p) {
     constexpr Dtype P = decltype(p)::value;
-    with_weights_kind<P>(call.weights, [&](auto kind) { f(weights<P, decltype(kind)::value>(c)); });
+    with_weights_kind<P>(call.weights, [&](auto kind) {
+      const auto w = weights<P, decltype(kind)::value>(c);
+      if constexpr (P == Dtype::kFloat32) {
+        f(w, p);
+      } else if (call.grad_dtype == Dtype::kFloat32) {
+        f(w, std::integral_constant<Dtype, Dtype::kFloat32>{});
+      } else {
+        f(w, p);
+      }
+    });
   });
 }
 
-// Calls f(Weights<...>{...}, std::integral_constant<Dtype, S>) with the
-// weights type and state dtype of this call.
+// Calls f(Weights<...>{...}, grad dtype, state dtype) for this call.
 template <typename F>
 void with_weights(const StepCall& call, const WeightsChunk& c, F&& f) {
-  with_param_weights(call, c, [&](const auto& w) { with_state_dtype(call.state_dtype, [&](auto s) { f(w, s); }); });
+  with_param_weights(call, c, [&](const auto& w, auto g) {
+    with_state_dtype(call.state_dtype, [&](auto s) { f(w, g, s); });
+  });
+}
+
+// The buffer of a chunk as G's storage type.
+template <Dtype G>
+typename Storage<G>::type* grads_of(void* buffer) {
+  return static_cast<typename Storage<G>::type*>(buffer);
 }
 
 // The hyperparameters are copied into locals: read through a reference they
 // might alias the arrays the loop writes, and the compiler would reload them
 // (and branch on their flags) on every element instead of vectorizing.
-template <Momentum kMomentum, bool kZero, typename W, typename St>
+template <Momentum kMomentum, bool kZero, Dtype G, typename W, typename St>
 void sgd_loop(const W& weights_in, const St& momentum_in, const SrChunk& sr_in, const SgdChunk& c,
               float grad_scale, const SgdHyper& hyper) {
   const SgdHyper h = hyper;
   const W w = weights_in;
   const St mom = momentum_in;
   const SrChunk sr = sr_in;
-  float* AK_RESTRICT buffer = c.buffer;
+  typename Storage<G>::type* AK_RESTRICT buffer = grads_of<G>(c.buffer);
 #pragma omp simd
   for (int64_t i = 0; i < c.n; ++i) {
-    const float g = grad_scale * buffer[i];
+    const float g = grad_scale * Storage<G>::load(buffer[i]);
     float b = kMomentum == Momentum::kRunning ? mom.load(i) : 0.0f;
     w.store(i, sgd_update<kMomentum>(w.load(i), g, b, h), sr);
     if (kMomentum != Momentum::kNone) mom.store(i, b, sr);
-    if (kZero) buffer[i] = 0.0f;
+    if (kZero) buffer[i] = typename Storage<G>::type{};
   }
 }
 
@@ -107,7 +125,7 @@ inline __attribute__((always_inline)) void for_each_state8_block(int64_t n, F&& 
 
 // SGD's momentum buffer in 8 bits (stored as exp_avg), as adam8_loop: per
 // block, decode (a running buffer), update, encode.
-template <Momentum kMomentum, bool kZero, typename W>
+template <Momentum kMomentum, bool kZero, Dtype G, typename W>
 void sgd8_loop(const W& weights_in, const SrChunk& sr_in, const SgdChunk& c, float grad_scale,
                const SgdHyper& hyper) {
   const SgdHyper h = hyper;
@@ -118,7 +136,7 @@ void sgd8_loop(const W& weights_in, const SrChunk& sr_in, const SgdChunk& c, flo
   for_each_state8_block(c.n, [&](int64_t blk, int64_t first, int32_t n) {
     const W wb = w.at(first);
     const SrChunk srb = sr.at(first);
-    float* AK_RESTRICT buffer = c.buffer + first;
+    typename Storage<G>::type* AK_RESTRICT buffer = grads_of<G>(c.buffer) + first;
     uint8_t* AK_RESTRICT codes = static_cast<uint8_t*>(c.momentum_buffer) + first;
     if (kMomentum == Momentum::kRunning) {
       const float scale = c.momentum_buffer_scales[blk];
@@ -129,7 +147,7 @@ void sgd8_loop(const W& weights_in, const SrChunk& sr_in, const SgdChunk& c, flo
     uint32_t b_nan = 0;
 #pragma omp simd reduction(max : b_max) reduction(| : b_nan)
     for (int32_t k = 0; k < n; ++k) {
-      const float g = grad_scale * buffer[k];
+      const float g = grad_scale * Storage<G>::load(buffer[k]);
       float b = kMomentum == Momentum::kRunning ? b_block[k] : 0.0f;
       wb.store(k, sgd_update<kMomentum>(wb.load(k), g, b, h), srb);
       const float b_abs = bits_float(float_bits(b) & 0x7FFFFFFFu);
@@ -137,7 +155,7 @@ void sgd8_loop(const W& weights_in, const SrChunk& sr_in, const SgdChunk& c, flo
       draws[k] = sr_draw<1>(srb, k);
       b_max = b_max > b_abs ? b_max : b_abs;
       b_nan |= b != b ? 1u : 0u;
-      if (kZero) buffer[k] = 0.0f;
+      if (kZero) buffer[k] = typename Storage<G>::type{};
     }
     const float scale_new = state8_block_scale(b_max, b_nan);
     const float divisor = state8_divisor(scale_new);
@@ -150,28 +168,30 @@ void sgd8_loop(const W& weights_in, const SrChunk& sr_in, const SgdChunk& c, flo
 void sgd_chunk(const StepCall& call, const SgdHyper& h, Momentum momentum, const SgdChunk& c) {
   const SrChunk sr = sr_chunk(call.seed, c.weights.stream, c.weights.first);
   if (call.state8 && momentum != Momentum::kNone) {
-    with_param_weights(call, c.weights, [&](const auto& w) {
+    with_param_weights(call, c.weights, [&](const auto& w, auto g) {
+      constexpr Dtype G = decltype(g)::value;
       with_bool(call.zero_buffers, [&](auto zero) {
         if (momentum == Momentum::kRunning) {
-          sgd8_loop<Momentum::kRunning, decltype(zero)::value>(w, sr, c, call.grad_scale, h);
+          sgd8_loop<Momentum::kRunning, decltype(zero)::value, G>(w, sr, c, call.grad_scale, h);
         } else {
-          sgd8_loop<Momentum::kFirstStep, decltype(zero)::value>(w, sr, c, call.grad_scale, h);
+          sgd8_loop<Momentum::kFirstStep, decltype(zero)::value, G>(w, sr, c, call.grad_scale, h);
         }
       });
     });
     return;
   }
-  with_weights(call, c.weights, [&](const auto& w, auto s) {
+  with_weights(call, c.weights, [&](const auto& w, auto g, auto s) {
     const auto mom = state<decltype(s)::value, 1>(c.momentum_buffer);
     with_momentum(momentum, [&](auto mode) {
       with_bool(call.zero_buffers, [&](auto zero) {
-        sgd_loop<decltype(mode)::value, decltype(zero)::value>(w, mom, sr, c, call.grad_scale, h);
+        sgd_loop<decltype(mode)::value, decltype(zero)::value, decltype(g)::value>(w, mom, sr, c,
+                                                                                  call.grad_scale, h);
       });
     });
   });
 }
 
-template <typename Flags, bool kZero, typename W, typename M, typename V, typename VMax>
+template <typename Flags, bool kZero, Dtype G, typename W, typename M, typename V, typename VMax>
 void adam_loop(const W& weights_in, const M& m_in, const V& v_in, const VMax& v_max_in, const SrChunk& sr_in,
                const AdamChunk& c, float grad_scale, const AdamHyper& hyper) {
   constexpr bool kAmsgrad = Flags::amsgrad;
@@ -182,11 +202,11 @@ void adam_loop(const W& weights_in, const M& m_in, const V& v_in, const VMax& v_
   const V exp_avg_sq = v_in;
   const VMax max_exp_avg_sq = v_max_in;
   const SrChunk sr = sr_in;
-  float* AK_RESTRICT buffer = c.buffer;
+  typename Storage<G>::type* AK_RESTRICT buffer = grads_of<G>(c.buffer);
   const AdamStepScalars s = c.scalars;
 #pragma omp simd
   for (int64_t i = 0; i < c.n; ++i) {
-    const float g = grad_scale * buffer[i];
+    const float g = grad_scale * Storage<G>::load(buffer[i]);
     float m = exp_avg.load(i);
     float v = exp_avg_sq.load(i);
     float v_max = kAmsgrad ? max_exp_avg_sq.load(i) : 0.0f;
@@ -194,7 +214,7 @@ void adam_loop(const W& weights_in, const M& m_in, const V& v_in, const VMax& v_
     exp_avg.store(i, m, sr);
     exp_avg_sq.store(i, v, sr);
     if (kAmsgrad) max_exp_avg_sq.store(i, v_max, sr);
-    if (kZero) buffer[i] = 0.0f;
+    if (kZero) buffer[i] = typename Storage<G>::type{};
   }
 }
 
@@ -206,7 +226,7 @@ void adam_loop(const W& weights_in, const M& m_in, const V& v_in, const VMax& v_
 // with the whole update in it its fp32 values no longer fit the registers
 // (measured 1.25x slower); and the loops index from the block's start with
 // 32-bit k, as 64-bit index vectors spill too.
-template <typename Flags, bool kZero, typename W>
+template <typename Flags, bool kZero, Dtype G, typename W>
 void adam8_loop(const W& weights_in, const SrChunk& sr_in, const AdamChunk& c, float grad_scale,
                 const AdamHyper& hyper) {
   constexpr Flags flags{};
@@ -220,7 +240,7 @@ void adam8_loop(const W& weights_in, const SrChunk& sr_in, const AdamChunk& c, f
   for_each_state8_block(c.n, [&](int64_t b, int64_t first, int32_t n) {
     const W wb = w.at(first);
     const SrChunk srb = sr.at(first);
-    float* AK_RESTRICT buffer = c.buffer + first;
+    typename Storage<G>::type* AK_RESTRICT buffer = grads_of<G>(c.buffer) + first;
     uint8_t* AK_RESTRICT m_codes = static_cast<uint8_t*>(c.exp_avg) + first;
     uint8_t* AK_RESTRICT v_codes = static_cast<uint8_t*>(c.exp_avg_sq) + first;
     const float m_scale = c.exp_avg_scales[b];
@@ -236,7 +256,7 @@ void adam8_loop(const W& weights_in, const SrChunk& sr_in, const AdamChunk& c, f
     uint32_t r_nan = 0;
 #pragma omp simd reduction(max : m_max, r_max) reduction(| : m_nan, r_nan)
     for (int32_t k = 0; k < n; ++k) {
-      const float g = grad_scale * buffer[k];
+      const float g = grad_scale * Storage<G>::load(buffer[k]);
       float m = m_block[k];
       float v = v_block[k];
       float v_max = 0.0f;
@@ -250,7 +270,7 @@ void adam8_loop(const W& weights_in, const SrChunk& sr_in, const AdamChunk& c, f
       r_max = r_max > r ? r_max : r;
       m_nan |= m != m ? 1u : 0u;
       r_nan |= r != r ? 1u : 0u;
-      if (kZero) buffer[k] = 0.0f;
+      if (kZero) buffer[k] = typename Storage<G>::type{};
     }
     const float m_scale_new = state8_block_scale(m_max, m_nan);
     const float r_scale_new = state8_block_scale(r_max, r_nan);
@@ -267,12 +287,12 @@ void adam8_loop(const W& weights_in, const SrChunk& sr_in, const AdamChunk& c, f
 }
 
 void adam8_chunk(const StepCall& call, const AdamHyper& h, const AdamChunk& c, const SrChunk& sr) {
-  with_param_weights(call, c.weights, [&](const auto& w) {
+  with_param_weights(call, c.weights, [&](const auto& w, auto g) {
     with_bool(h.adamw, [&](auto adamw) {
       with_bool(h.has_weight_decay, [&](auto wd) {
         with_bool(call.zero_buffers, [&](auto zero) {
           using Flags = StaticAdamFlags<decltype(adamw)::value, false, decltype(wd)::value>;
-          adam8_loop<Flags, decltype(zero)::value>(w, sr, c, call.grad_scale, h);
+          adam8_loop<Flags, decltype(zero)::value, decltype(g)::value>(w, sr, c, call.grad_scale, h);
         });
       });
     });
@@ -285,7 +305,8 @@ void adam_chunk(const StepCall& call, const AdamHyper& h, const AdamChunk& c) {
     adam8_chunk(call, h, c, sr);
     return;
   }
-  with_weights(call, c.weights, [&](const auto& w, auto state_dtype) {
+  with_weights(call, c.weights, [&](const auto& w, auto g, auto state_dtype) {
+    constexpr Dtype G = decltype(g)::value;
     constexpr Dtype S = decltype(state_dtype)::value;
     const auto m = state<S, 1>(c.exp_avg);
     const auto v = state<S, 2>(c.exp_avg_sq);
@@ -296,7 +317,7 @@ void adam_chunk(const StepCall& call, const AdamHyper& h, const AdamChunk& c) {
           with_bool(call.zero_buffers, [&](auto zero) {
             using Flags = StaticAdamFlags<decltype(adamw)::value, decltype(amsgrad)::value,
                                           decltype(wd)::value>;
-            adam_loop<Flags, decltype(zero)::value>(w, m, v, v_max, sr, c, call.grad_scale, h);
+            adam_loop<Flags, decltype(zero)::value, G>(w, m, v, v_max, sr, c, call.grad_scale, h);
           });
         });
       });

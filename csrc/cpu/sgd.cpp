@@ -21,12 +21,12 @@ void run_sgd(const SgdArgs& a) {
   for (const DtypeGroup& g : group_by_dtype(
            a.params, {a.params, a.master_params, a.buffers, a.momentum_buffers, a.momentum_buffer_scales})) {
     const StepCall call =
-        step_call(g, a.masters, a.sr, a.state_dtype, a.state8, a.scale.scale(), a.zero_buffers);
+        step_call(g, a.buffers, a.masters, a.sr, a.state_dtype, a.state8, a.scale.scale(), a.zero_buffers);
     for_each_chunk(
         g,
         [&](size_t t, int64_t offset, int64_t length) {
           k.sgd(call, a.hyper, a.momentum,
-                {weights_at(g, a.masters, a.sr, t, offset), f32_at(g.pointers[2], t, offset),
+                {weights_at(g, a.masters, a.sr, t, offset), buffer_at(g.pointers[2], t, offset, call),
                  state_at(g.pointers[3], t, offset, call), f32_at(g.pointers[4], t, offset / kState8Block),
                  length});
         },

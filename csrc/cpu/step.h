@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "../op_args.h"
@@ -22,10 +23,19 @@ inline float* f32_at(const std::vector<void*>& ptrs, size_t t, int64_t offset) {
 }
 
 // The scalars of a step call over dtype group `g`.
-inline StepCall step_call(const DtypeGroup& g, const Masters& masters, const Stochastic& sr,
-                          Dtype state_dtype, bool state8, float grad_scale, bool zero_buffers) {
-  return {g.dtype, step_weights_kind(g.dtype, masters, sr), state_dtype, state8, sr.seed, grad_scale,
-          zero_buffers};
+// `buffers`: the call's buffer list (fp32 sums, or gradients of the params'
+// dtypes: checks.h's check_step_tensors).
+inline StepCall step_call(const DtypeGroup& g, at::TensorList buffers, const Masters& masters,
+                          const Stochastic& sr, Dtype state_dtype, bool state8, float grad_scale,
+                          bool zero_buffers) {
+  return {g.dtype,   step_weights_kind(g.dtype, masters, sr),
+          storage_dtype(buffers[g.indices[0]].scalar_type()),
+          state_dtype, state8, sr.seed, grad_scale, zero_buffers};
+}
+
+// A buffer pointer into list `ptrs` at element `offset`, of the call's grad dtype.
+inline void* buffer_at(const std::vector<void*>& ptrs, size_t t, int64_t offset, const StepCall& call) {
+  return static_cast<char*>(ptrs[t]) + offset * (call.grad_dtype == Dtype::kFloat32 ? 4 : 2);
 }
 
 // The weights of tensor t of group `g` from element `offset` on; list 0 holds
@@ -72,13 +82,20 @@ void for_each_chunk(const DtypeGroup& g, F&& f, int64_t align = 1) {
   });
 }
 
-// A skipped window still clears its buffers.
+// A skipped window still clears its buffers (16-bit gradients: 0 is all bits
+// zero, so their bytes are cleared as half as many floats, and an odd last one).
 inline void zero_all(at::TensorList buffers) {
   const KernelTable& k = kernels();
   for (const DtypeGroup& g : group_by_dtype(buffers, {buffers})) {
-    for_each_chunk(g, [&](size_t t, int64_t offset, int64_t length) {
-      k.zero(static_cast<float*>(g.pointers[0][t]) + offset, length);
-    });
+    if (g.dtype == Dtype::kFloat32) {
+      for_each_chunk(g, [&](size_t t, int64_t offset, int64_t length) {
+        k.zero(static_cast<float*>(g.pointers[0][t]) + offset, length);
+      });
+      continue;
+    }
+    for (size_t t = 0; t < g.indices.size(); ++t) {
+      std::memset(g.pointers[0][t], 0, static_cast<size_t>(g.numels[t]) * 2);
+    }
   }
 }
 

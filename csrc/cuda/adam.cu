@@ -26,12 +26,12 @@ struct IncrementStep {
   }
 };
 
-template <Dtype P, WeightsKind K, Dtype S>
+template <Dtype P, WeightsKind K, Dtype S, Dtype G>
 struct AdamFunctor {
   __device__ void operator()(const Meta<kLists>& meta, int t, int64_t start, int64_t n, int,
                              AdamHyper h, StepScale scale, bool zero_buffers, uint32_t seed) {
     constexpr int N = kStepVec<P, S>;
-    float* buffer = chunk_floats(meta, 2, t, start);
+    auto* buffer = chunk_grads<G>(meta, t, start);
     if (scale.skip()) {
       if (zero_buffers) zero_chunk(buffer, n);
       return;
@@ -45,14 +45,14 @@ struct AdamFunctor {
     const AdamStepScalars s = adam_bias_corrections(h, step);
     const float gs = scale.scale();
     const AdamFlags flags = adam_flags(h);
-    const bool vector_ok = aligned_for_packs<N>(w) && aligned<float, N>(buffer) &&
+    const bool vector_ok = aligned_for_packs<N>(w) && aligned<typename Storage<G>::type, N>(buffer) &&
                            aligned_for_packs<N>(exp_avg) && aligned_for_packs<N>(exp_avg_sq) &&
                            (!h.amsgrad || aligned_for_packs<N>(max_sq));
     for_chunk<N>(
         n, vector_ok,
         [&](int64_t i) {
           float g[N], m[N], v[N], vm[N] = {}, p[N];
-          load_pack<N>(g, buffer, i);
+          load_grads<N, G>(g, buffer, i);
           load_state<N>(exp_avg, m, i);
           load_state<N>(exp_avg_sq, v, i);
           if (h.amsgrad) load_state<N>(max_sq, vm, i);
@@ -63,18 +63,15 @@ struct AdamFunctor {
           store_state<N>(exp_avg, i, m, sr);
           store_state<N>(exp_avg_sq, i, v, sr);
           if (h.amsgrad) store_state<N>(max_sq, i, vm, sr);
-          if (zero_buffers) {
-            const float zeros[N] = {};
-            store_pack<N>(buffer, i, zeros);
-          }
+          if (zero_buffers) zero_pack<N>(buffer, i);
         },
         [&](int64_t i) {
           float m = exp_avg.load(i), v = exp_avg_sq.load(i), vm = h.amsgrad ? max_sq.load(i) : 0.0f;
-          w.store(i, adam_update(w.load(i), gs * buffer[i], m, v, vm, h, s, flags), sr);
+          w.store(i, adam_update(w.load(i), gs * Storage<G>::load(buffer[i]), m, v, vm, h, s, flags), sr);
           exp_avg.store(i, m, sr);
           exp_avg_sq.store(i, v, sr);
           if (h.amsgrad) max_sq.store(i, vm, sr);
-          if (zero_buffers) buffer[i] = 0.0f;
+          if (zero_buffers) buffer[i] = {};
         });
   }
 };
@@ -86,11 +83,11 @@ struct AdamFunctor {
 // registers, take the block's new scales across the warp, then encode.
 constexpr int kLists8 = 9;
 
-template <Dtype P, WeightsKind K>
+template <Dtype P, WeightsKind K, Dtype G>
 struct Adam8Functor {
   __device__ void operator()(const Meta<kLists8>& meta, int t, int64_t start, int64_t n, int,
                              AdamHyper h, StepScale scale, bool zero_buffers, uint32_t seed) {
-    float* buffer = chunk_floats(meta, 2, t, start);
+    auto* buffer = chunk_grads<G>(meta, t, start);
     if (scale.skip()) {
       if (zero_buffers) zero_chunk(buffer, n);
       return;
@@ -123,7 +120,7 @@ struct Adam8Functor {
         float m = decode_exp_avg(m_codes[i], m_scale);
         float v = decode_exp_avg_sq(v_codes[i], v_scale);
         float v_max = 0.0f;
-        w.store(i, adam_update(w.load(i), gs * buffer[i], m, v, v_max, h, s, flags), sr);
+        w.store(i, adam_update(w.load(i), gs * Storage<G>::load(buffer[i]), m, v, v_max, h, s, flags), sr);
         const float r = sqrtf(v);
         m_new[k] = m;
         r_new[k] = r;
@@ -131,7 +128,7 @@ struct Adam8Functor {
         r_max = r_max > r ? r_max : r;
         m_nan |= m != m;
         r_nan |= r != r;
-        if (zero_buffers) buffer[i] = 0.0f;
+        if (zero_buffers) buffer[i] = {};
       }
       const float m_scale_new = warp_block_scale(m_max, m_nan);
       const float r_scale_new = warp_block_scale(r_max, r_nan);
@@ -164,10 +161,11 @@ void run_adam(const AdamArgs& a) {
     for (const DtypeGroup& g :
          group_by_dtype(a.params, {a.params, a.master_params, a.buffers, a.exp_avgs, a.exp_avg_sqs,
                                    a.max_exp_avg_sqs, a.state_steps, a.exp_avg_scales, a.exp_avg_sq_scales})) {
-      with_step_kind(g, step_weights_kind(g.dtype, a.masters, a.sr), Dtype::kFloat32, [&](auto p, auto k, auto) {
+      with_step_kind(g, a.buffers, step_weights_kind(g.dtype, a.masters, a.sr), Dtype::kFloat32,
+                     [&](auto p, auto k, auto, auto gd) {
         multi_tensor_apply<kLists8>(g.pointers, g.numels, group_streams(g, a.sr),
-                                    Adam8Functor<decltype(p)::value, decltype(k)::value>{}, a.hyper, a.scale,
-                                    a.zero_buffers, a.sr.seed);
+                                    Adam8Functor<decltype(p)::value, decltype(k)::value, decltype(gd)::value>{},
+                                    a.hyper, a.scale, a.zero_buffers, a.sr.seed);
       });
     }
     return;
@@ -175,10 +173,11 @@ void run_adam(const AdamArgs& a) {
   for (const DtypeGroup& g : group_by_dtype(a.params, {a.params, a.master_params, a.buffers,
                                                       a.exp_avgs, a.exp_avg_sqs, a.max_exp_avg_sqs,
                                                       a.state_steps})) {
-    with_step_kind(g, step_weights_kind(g.dtype, a.masters, a.sr), a.state_dtype, [&](auto p, auto k, auto s) {
+    with_step_kind(g, a.buffers, step_weights_kind(g.dtype, a.masters, a.sr), a.state_dtype,
+                   [&](auto p, auto k, auto s, auto gd) {
       multi_tensor_apply<kLists>(
           g.pointers, g.numels, group_streams(g, a.sr),
-          AdamFunctor<decltype(p)::value, decltype(k)::value, decltype(s)::value>{}, a.hyper,
+          AdamFunctor<decltype(p)::value, decltype(k)::value, decltype(s)::value, decltype(gd)::value>{}, a.hyper,
           a.scale, a.zero_buffers, a.sr.seed);
     });
   }

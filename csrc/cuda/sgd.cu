@@ -15,13 +15,13 @@ namespace {
 // Lists: 0 param, 1 master, 2 buffer, 3 momentum buffer.
 constexpr int kLists = 4;
 
-template <Dtype P, WeightsKind K, Dtype S, Momentum kMomentum>
+template <Dtype P, WeightsKind K, Dtype S, Momentum kMomentum, Dtype G>
 struct SgdFunctor {
   __device__ void operator()(const Meta<kLists>& meta, int t, int64_t start, int64_t n, int,
                              SgdHyper h, StepScale scale, bool zero_buffers, uint32_t seed) {
     constexpr int N = kStepVec<P, S>;
     constexpr bool kHasMomentum = kMomentum != Momentum::kNone;
-    float* buffer = chunk_floats(meta, 2, t, start);
+    auto* buffer = chunk_grads<G>(meta, t, start);
     if (scale.skip()) {
       if (zero_buffers) zero_chunk(buffer, n);
       return;
@@ -30,29 +30,26 @@ struct SgdFunctor {
     const auto mom = chunk_state<S, 1>(meta, 3, t, start);
     const SrChunk sr = chunk_draws(meta, t, start, seed);
     const float gs = scale.scale();
-    const bool vector_ok = aligned_for_packs<N>(w) && aligned<float, N>(buffer) &&
+    const bool vector_ok = aligned_for_packs<N>(w) && aligned<typename Storage<G>::type, N>(buffer) &&
                            (!kHasMomentum || aligned_for_packs<N>(mom));
     for_chunk<N>(
         n, vector_ok,
         [&](int64_t i) {
           float g[N], b[N] = {}, p[N];
-          load_pack<N>(g, buffer, i);
+          load_grads<N, G>(g, buffer, i);
           if (kMomentum == Momentum::kRunning) load_state<N>(mom, b, i);
           load_weights<N>(w, p, i);
 #pragma unroll
           for (int k = 0; k < N; ++k) p[k] = sgd_update<kMomentum>(p[k], gs * g[k], b[k], h);
           store_weights<N>(w, i, p, sr);
           if (kHasMomentum) store_state<N>(mom, i, b, sr);
-          if (zero_buffers) {
-            const float zeros[N] = {};
-            store_pack<N>(buffer, i, zeros);
-          }
+          if (zero_buffers) zero_pack<N>(buffer, i);
         },
         [&](int64_t i) {
           float b = kMomentum == Momentum::kRunning ? mom.load(i) : 0.0f;
-          w.store(i, sgd_update<kMomentum>(w.load(i), gs * buffer[i], b, h), sr);
+          w.store(i, sgd_update<kMomentum>(w.load(i), gs * Storage<G>::load(buffer[i]), b, h), sr);
           if (kHasMomentum) mom.store(i, b, sr);
-          if (zero_buffers) buffer[i] = 0.0f;
+          if (zero_buffers) buffer[i] = {};
         });
   }
 };
@@ -61,11 +58,11 @@ struct SgdFunctor {
 // SgdFunctor's, then 4 their block scales; a warp per block (step.cuh).
 constexpr int kLists8 = 5;
 
-template <Dtype P, WeightsKind K, Momentum kMomentum>
+template <Dtype P, WeightsKind K, Momentum kMomentum, Dtype G>
 struct Sgd8Functor {
   __device__ void operator()(const Meta<kLists8>& meta, int t, int64_t start, int64_t n, int,
                              SgdHyper h, StepScale scale, bool zero_buffers, uint32_t seed) {
-    float* buffer = chunk_floats(meta, 2, t, start);
+    auto* buffer = chunk_grads<G>(meta, t, start);
     if (scale.skip()) {
       if (zero_buffers) zero_chunk(buffer, n);
       return;
@@ -89,11 +86,11 @@ struct Sgd8Functor {
         b_new[k] = 0.0f;
         if (i >= n) continue;
         float b = kMomentum == Momentum::kRunning ? decode_exp_avg(codes[i], old_scale) : 0.0f;
-        w.store(i, sgd_update<kMomentum>(w.load(i), gs * buffer[i], b, h), sr);
+        w.store(i, sgd_update<kMomentum>(w.load(i), gs * Storage<G>::load(buffer[i]), b, h), sr);
         b_new[k] = b;
         b_max = b_max > fabsf(b) ? b_max : fabsf(b);
         b_nan |= b != b;
-        if (zero_buffers) buffer[i] = 0.0f;
+        if (zero_buffers) buffer[i] = {};
       }
       const float new_scale = warp_block_scale(b_max, b_nan);
       const float divisor = state8_divisor(new_scale);
@@ -112,12 +109,13 @@ void run_sgd(const SgdArgs& a) {
   if (a.state8) {
     for (const DtypeGroup& g : group_by_dtype(a.params, {a.params, a.master_params, a.buffers,
                                                         a.momentum_buffers, a.momentum_buffer_scales})) {
-      with_step_kind(g, step_weights_kind(g.dtype, a.masters, a.sr), Dtype::kFloat32, [&](auto p, auto k, auto) {
+      with_step_kind(g, a.buffers, step_weights_kind(g.dtype, a.masters, a.sr), Dtype::kFloat32,
+                     [&](auto p, auto k, auto, auto gd) {
         auto launch = [&](auto mode) {
           multi_tensor_apply<kLists8>(
               g.pointers, g.numels, group_streams(g, a.sr),
-              Sgd8Functor<decltype(p)::value, decltype(k)::value, decltype(mode)::value>{}, a.hyper, a.scale,
-              a.zero_buffers, a.sr.seed);
+              Sgd8Functor<decltype(p)::value, decltype(k)::value, decltype(mode)::value, decltype(gd)::value>{},
+              a.hyper, a.scale, a.zero_buffers, a.sr.seed);
         };
         if (a.momentum == Momentum::kRunning) {
           launch(std::integral_constant<Momentum, Momentum::kRunning>{});
@@ -130,12 +128,13 @@ void run_sgd(const SgdArgs& a) {
   }
   for (const DtypeGroup& g :
        group_by_dtype(a.params, {a.params, a.master_params, a.buffers, a.momentum_buffers})) {
-    with_step_kind(g, step_weights_kind(g.dtype, a.masters, a.sr), a.state_dtype, [&](auto p, auto k, auto s) {
+    with_step_kind(g, a.buffers, step_weights_kind(g.dtype, a.masters, a.sr), a.state_dtype,
+                   [&](auto p, auto k, auto s, auto gd) {
       with_momentum(a.momentum, [&](auto mode) {
         multi_tensor_apply<kLists>(
             g.pointers, g.numels, group_streams(g, a.sr),
             SgdFunctor<decltype(p)::value, decltype(k)::value, decltype(s)::value,
-                       decltype(mode)::value>{},
+                       decltype(mode)::value, decltype(gd)::value>{},
             a.hyper, a.scale, a.zero_buffers, a.sr.seed);
       });
     });

@@ -30,6 +30,27 @@ __device__ __forceinline__ Weights<P, K> chunk_weights(const Meta<L>& meta, int 
   return {static_cast<T*>(meta.addresses[0][t]) + start, master};
 }
 
+// The buffer (list 2) of tensor t from element `start`, of storage dtype G:
+// fp32 sums, or gradients of the param's dtype (read as they are).
+template <Dtype G, int L>
+__device__ __forceinline__ typename Storage<G>::type* chunk_grads(const Meta<L>& meta, int t, int64_t start) {
+  return static_cast<typename Storage<G>::type*>(meta.addresses[2][t]) + start;
+}
+
+template <int N, Dtype G>
+__device__ __forceinline__ void load_grads(float (&out)[N], const typename Storage<G>::type* grads, int64_t i) {
+  typename Storage<G>::type x[N];
+  load_pack<N>(x, grads, i);
+#pragma unroll
+  for (int k = 0; k < N; ++k) out[k] = Storage<G>::load(x[k]);
+}
+
+template <int N, typename T>
+__device__ __forceinline__ void zero_pack(T* buffer, int64_t i) {
+  const T zeros[N] = {};
+  store_pack<N>(buffer, i, zeros);
+}
+
 // State list `list` of tensor t from element `start`, rounded with slot kSlot's bits.
 template <Dtype S, uint32_t kSlot, int L>
 __device__ __forceinline__ State<S, kSlot> chunk_state(const Meta<L>& meta, int list, int t,
@@ -151,8 +172,9 @@ __device__ __forceinline__ float warp_block_scale(float lane_max, bool lane_nan)
 }
 
 // A skipped window still clears its buffers.
-__device__ __forceinline__ void zero_chunk(float* buffer, int64_t n) {
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) buffer[i] = 0.0f;
+template <typename T>
+__device__ __forceinline__ void zero_chunk(T* buffer, int64_t n) {
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) buffer[i] = T{};
 }
 
 // The stream ids of a dtype group's tensors, in group order.
@@ -163,14 +185,24 @@ inline std::vector<uint32_t> group_streams(const DtypeGroup& g, const Stochastic
   return out;
 }
 
-// Calls f(std::integral_constant P, weights kind, state dtype) for a step call
-// over group `g`: the template parameters every step kernel is compiled for
-// (the weights kind as step_weights_kind() picks it).
+// Calls f(std::integral_constant P, weights kind, state dtype, grad dtype) for
+// a step call over group `g`: the template parameters every step kernel is
+// compiled for (the weights kind as step_weights_kind() picks it; the grad
+// dtype that of the group's buffers in `buffers`: fp32 sums or P).
 template <typename F>
-void with_step_kind(const DtypeGroup& g, WeightsKind kind, Dtype state_dtype, F&& f) {
+void with_step_kind(const DtypeGroup& g, at::TensorList buffers, WeightsKind kind, Dtype state_dtype, F&& f) {
+  const bool fp32_sums = buffers[g.indices[0]].scalar_type() == at::kFloat;
   with_dtype(g.dtype, [&](auto p) {
     with_weights_kind<decltype(p)::value>(kind, [&](auto k) {
-      with_state_dtype(state_dtype, [&](auto s) { f(p, k, s); });
+      with_state_dtype(state_dtype, [&](auto s) {
+        if constexpr (decltype(p)::value == Dtype::kFloat32) {
+          f(p, k, s, p);
+        } else if (fp32_sums) {
+          f(p, k, s, std::integral_constant<Dtype, Dtype::kFloat32>{});
+        } else {
+          f(p, k, s, p);
+        }
+      });
     });
   });
 }

@@ -205,15 +205,24 @@ def master_pointer(table, T, t, MASTER_KIND: tl.constexpr, ALIGNED: tl.constexpr
 
 
 def step_flags(
-    dtype: torch.dtype, master_params: list, stochastic_rounding: bool, state_dtype: torch.dtype, aligned: bool
+    dtype: torch.dtype,
+    master_params: list,
+    stochastic_rounding: bool,
+    state_dtype: torch.dtype,
+    aligned: bool,
+    buffers: list,
 ) -> dict:
-    """The compile-time flags every step kernel takes, and the launch options."""
+    """The compile-time flags every step kernel takes, and the launch options,
+    for a launch over the params of ``dtype``; ``buffers``: the call's (all
+    fp32 sums, or each a gradient of its param's dtype: GRAD_DTYPE)."""
     kind = master_kind(master_params)
+    narrow = any(b.dtype != torch.float32 for b in buffers)
     return dict(
         PARAM_DTYPE=TL_DTYPES[dtype],
         MASTER_KIND=kind,
         STOCHASTIC=stochastic_rounding and dtype == torch.bfloat16 and kind == NO_MASTER.value,
         STATE_DTYPE=TL_DTYPES[state_dtype],
+        GRAD_DTYPE=TL_DTYPES[dtype if narrow else torch.float32],
         ALIGNED=aligned,
         CHUNK=CHUNK,
         BLOCK=BLOCK,
@@ -315,14 +324,16 @@ def step_chunk(
     MASTER_KIND: tl.constexpr,
     STOCHASTIC: tl.constexpr,
     STATE_DTYPE: tl.constexpr,
+    GRAD_DTYPE: tl.constexpr,
     VARIANT: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """One step family's update over this program's chunk, BLOCK elements at a
     time: ``block(ptrs, hp, offs, n, g_scale, seed, stream, PARAM_DTYPE,
-    MASTER_KIND, STOCHASTIC, STATE_DTYPE, VARIANT, MASKED)``, then buffer = 0
-    where zero_buffers.
+    MASTER_KIND, STOCHASTIC, STATE_DTYPE, GRAD_DTYPE, VARIANT, MASKED)``, then
+    buffer = 0 where zero_buffers (GRAD_DTYPE: the buffers' dtype, fp32 sums
+    or gradients of the param's dtype).
     VARIANT is the family's inner-loop variant (Adam: amsgrad; SGD: the
     momentum mode). The update's scale is grad_scale (times *grad_scale_ptr
     where has_grad_scale_tensor); a window with *found_inf != 0 (where
@@ -344,7 +355,20 @@ def step_chunk(
         for i in range(0, CHUNK, BLOCK):
             offs = start + i + tl.arange(0, BLOCK).to(tl.int64)
             block(
-                ptrs, hp, offs, n, gs, seed64, stream, PARAM_DTYPE, MASTER_KIND, STOCHASTIC, STATE_DTYPE, VARIANT, False
+                ptrs,
+                hp,
+                offs,
+                n,
+                gs,
+                seed64,
+                stream,
+                PARAM_DTYPE,
+                MASTER_KIND,
+                STOCHASTIC,
+                STATE_DTYPE,
+                GRAD_DTYPE,
+                VARIANT,
+                False,
             )
             if zero_buffers:
                 tl.store(buffer + offs, zeros)
@@ -352,7 +376,20 @@ def step_chunk(
         for i in range(0, CHUNK, BLOCK):
             offs = start + i + tl.arange(0, BLOCK).to(tl.int64)
             block(
-                ptrs, hp, offs, n, gs, seed64, stream, PARAM_DTYPE, MASTER_KIND, STOCHASTIC, STATE_DTYPE, VARIANT, True
+                ptrs,
+                hp,
+                offs,
+                n,
+                gs,
+                seed64,
+                stream,
+                PARAM_DTYPE,
+                MASTER_KIND,
+                STOCHASTIC,
+                STATE_DTYPE,
+                GRAD_DTYPE,
+                VARIANT,
+                True,
             )
             if zero_buffers:
                 tl.store(buffer + offs, zeros, mask=offs < n)

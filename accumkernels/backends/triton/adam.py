@@ -41,6 +41,7 @@ def _adam_block(
     MASTER_KIND: tl.constexpr,
     STOCHASTIC: tl.constexpr,
     STATE_DTYPE: tl.constexpr,
+    GRAD_DTYPE: tl.constexpr,
     AMSGRAD: tl.constexpr,
     MASKED: tl.constexpr,
 ):
@@ -58,7 +59,7 @@ def _adam_block(
         has_weight_decay,
     ) = hp
     mask = offs < n
-    g = gs * c.load_f32(buffer, offs, mask, tl.float32, MASKED)
+    g = gs * c.load_f32(buffer, offs, mask, GRAD_DTYPE, MASKED)
     w = c.load_weight(param, master, offs, mask, PARAM_DTYPE, MASTER_KIND, MASKED)
     v_max = tl.zeros_like(g)
     if STATE_DTYPE == tl.uint8:  # 8-bit state (no amsgrad): codes and block scales
@@ -123,6 +124,7 @@ def _adam_kernel(
     MASTER_KIND: tl.constexpr,
     STOCHASTIC: tl.constexpr,
     STATE_DTYPE: tl.constexpr,
+    GRAD_DTYPE: tl.constexpr,
     AMSGRAD: tl.constexpr,
     ALIGNED: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -132,7 +134,7 @@ def _adam_kernel(
     ptrs = (
         c.pointer(table, 0, T, t, PARAM_DTYPE, ALIGNED),
         c.master_pointer(table, T, t, MASTER_KIND, ALIGNED),
-        c.pointer(table, 2, T, t, tl.float32, ALIGNED),
+        c.pointer(table, 2, T, t, GRAD_DTYPE, ALIGNED),
         c.pointer(table, 3, T, t, STATE_DTYPE, ALIGNED),
         c.pointer(table, 4, T, t, STATE_DTYPE, ALIGNED),
         c.pointer(table, 5, T, t, STATE_DTYPE, ALIGNED),
@@ -174,6 +176,7 @@ def _adam_kernel(
         MASTER_KIND,
         STOCHASTIC,
         STATE_DTYPE,
+        GRAD_DTYPE,
         AMSGRAD,
         CHUNK,
         BLOCK,
@@ -247,7 +250,7 @@ def _adam(
                 zero_buffers,
                 c.seed_argument(seed),
                 AMSGRAD=amsgrad,
-                **c.step_flags(dtype, master_params, stochastic_rounding, state_dtype, aligned),
+                **c.step_flags(dtype, master_params, stochastic_rounding, state_dtype, aligned, buffers),
             )
 
 

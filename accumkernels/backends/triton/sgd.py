@@ -29,13 +29,14 @@ def _sgd_block(
     MASTER_KIND: tl.constexpr,
     STOCHASTIC: tl.constexpr,
     STATE_DTYPE: tl.constexpr,
+    GRAD_DTYPE: tl.constexpr,
     MOMENTUM: tl.constexpr,
     MASKED: tl.constexpr,
 ):
     param, master, buffer, mom, mom_scales = ptrs
     lr, momentum, one_minus_dampening, weight_decay, nesterov, has_weight_decay = hp
     mask = offs < n
-    g = gs * c.load_f32(buffer, offs, mask, tl.float32, MASKED)
+    g = gs * c.load_f32(buffer, offs, mask, GRAD_DTYPE, MASKED)
     w = c.load_weight(param, master, offs, mask, PARAM_DTYPE, MASTER_KIND, MASKED)
     b = tl.zeros_like(g)
     if MOMENTUM == f.RUNNING:
@@ -74,6 +75,7 @@ def _sgd_kernel(
     MASTER_KIND: tl.constexpr,
     STOCHASTIC: tl.constexpr,
     STATE_DTYPE: tl.constexpr,
+    GRAD_DTYPE: tl.constexpr,
     MOMENTUM: tl.constexpr,
     ALIGNED: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -83,7 +85,7 @@ def _sgd_kernel(
     ptrs = (
         c.pointer(table, 0, T, t, PARAM_DTYPE, ALIGNED),
         c.master_pointer(table, T, t, MASTER_KIND, ALIGNED),
-        c.pointer(table, 2, T, t, tl.float32, ALIGNED),
+        c.pointer(table, 2, T, t, GRAD_DTYPE, ALIGNED),
         c.pointer(table, 3, T, t, STATE_DTYPE, ALIGNED),
         c.pointer(table, 4, T, t, tl.float32, ALIGNED),
     )
@@ -107,6 +109,7 @@ def _sgd_kernel(
         MASTER_KIND,
         STOCHASTIC,
         STATE_DTYPE,
+        GRAD_DTYPE,
         MOMENTUM,
         CHUNK,
         BLOCK,
@@ -165,7 +168,7 @@ def sgd_step_and_zero_(
                 zero_buffers,
                 c.seed_argument(seed),
                 MOMENTUM=momentum_mode(momentum, is_first_step),
-                **c.step_flags(dtype, master_params, stochastic_rounding, state_dtype, aligned),
+                **c.step_flags(dtype, master_params, stochastic_rounding, state_dtype, aligned, buffers),
             )
 
 
