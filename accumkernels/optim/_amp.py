@@ -160,9 +160,7 @@ def adopt(driver, optimizer, loss_scale: LossScale, intake, device: torch.device
         )
     if given is None:
         intake.flush()
-        window = intake.window
-        views = [intake.layout.records[i].buffer for i in sorted(window.touched)]
-        unscale_and_check(views, inverse_scale(driver, device), window.step_found_inf)
+        intake.unscale_window(inverse_scale(driver, device), intake.window.step_found_inf)
         loss_scale.scaler = driver
 
 

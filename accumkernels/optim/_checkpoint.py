@@ -83,9 +83,9 @@ def check_loadable(wrapper, state_dict: dict, extra: dict | None) -> None:
     if extra is None:
         return
     flat = extra["flat_buffer"]
-    if flat is not None and flat.shape != wrapper._layout.flat.shape:
+    if flat is not None and flat.shape != (wrapper._layout.numel,):
         raise ValueError(
-            f"checkpoint buffer has {flat.numel()} elements; this wrapper's has {wrapper._layout.flat.numel()} "
+            f"checkpoint buffer has {flat.numel()} elements; this wrapper's has {wrapper._layout.numel} "
             "(another model, bucket size or world size?)"
         )
     wrapper._window.check_state_dict(extra, len(wrapper._layout))
@@ -209,16 +209,15 @@ def load(wrapper, state_dict: dict) -> None:
     wrapper.optimizer.load_state_dict(state_dict)
     load_state_in_its_dtype(wrapper, state_dict)
     wrapper._window.clear()
-    if extra is not None and extra["flat_buffer"] is not None:
-        wrapper._layout.flat.copy_(extra["flat_buffer"])
-    else:  # saved at a window boundary, or a plain optimizer's checkpoint: the window starts empty, its buffers too
-        wrapper._layout.flat.zero_()
+    # None: saved at a window boundary, or a plain optimizer's checkpoint: the window starts empty, its buffers too
+    wrapper._intake.restore_sums(None if extra is None else extra["flat_buffer"])
     if extra is not None:
         wrapper._window.load_state_dict(extra)
         # Intake "hooks" overwrites a buffer at a param's first gradient of a
         # window, so a checkpoint it saved may hold old sums where the window
         # has none; intake "grad" shows every buffer as .grad and adds into it.
-        wrapper._layout.zero_views(r for r in wrapper._layout if r.index not in wrapper._window.touched)
+        if wrapper._layout.flat is not None:
+            wrapper._layout.zero_views(r for r in wrapper._layout if r.index not in wrapper._window.touched)
     for r in wrapper._layout:  # master weights: the checkpoint's, or the (already loaded) params'
         if r.master is None:
             continue

@@ -282,6 +282,37 @@ class Intake:
         """Apply opt.clip_grad_norm_'s coefficient to the window."""
         raise NotImplementedError
 
+    # ---- what the buffers hold (HookIntake without a flat buffer differs) ----
+
+    def held_scale(self, scale):
+        """The factor the step (and a norm) applies to what the buffers hold,
+        given the window's ``scale``: the buffers hold unscaled sums, so ``scale``."""
+        return scale
+
+    def window_sum(self, r: ParamRecord) -> torch.Tensor:
+        """``r``'s unscaled window sum so far (fp32; a view of its buffer where it has one)."""
+        return r.buffer
+
+    def unscale_window(self, inverse_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+        """A GradScaler adopted mid-window: unscale and check what the window holds."""
+        _amp.unscale_and_check(
+            [self.layout.records[i].buffer for i in sorted(self.window.touched)], inverse_scale, found_inf
+        )
+
+    def saved_sums(self) -> torch.Tensor:
+        """The window's sums as a checkpoint keeps them: a copy of the flat buffer."""
+        return self.layout.flat.clone()
+
+    def restore_sums(self, sums: torch.Tensor | None) -> None:
+        """A checkpoint's flat buffer, or None (a window that starts empty)."""
+        if sums is None:
+            self.layout.flat.zero_()
+        else:
+            self.layout.flat.copy_(sums)
+
+    def after_step(self) -> None:
+        """The window's update is done (or skipped)."""
+
 
 class HookIntake(Intake):
     name = "hooks"
@@ -292,6 +323,15 @@ class HookIntake(Intake):
         self._accumulators: dict[int, object] = {}  # param index -> its AccumulateGrad node
         super().__init__(*args, **kwargs)
         self._reduces = self.sync.reduces_buffers  # tell the sync of each bucket of the window's last micro-step
+        # Lean (a layout without a flat buffer: accum_steps=1, one process): a
+        # window of one micro-batch sums nothing, so each param's gradient is
+        # held as it arrived (its own dtype) and the step reads it, times the
+        # loss scale's factor at its arrival (_held_unscale). A window that
+        # must sum after all (a param's second gradient, a gradient not of its
+        # param's dtype, a checkpoint's sums) gets the flat buffer, until its step.
+        self.lean = self.layout.flat is None
+        self._held_unscale = 1.0
+        self._one = torch.ones(1, device=self.layout.device)
 
     def _register(self, r: ParamRecord):
         if r.local_of is not None:  # FSDP2 assigns the reduced shard to .grad and runs these hooks itself
@@ -370,9 +410,9 @@ class HookIntake(Intake):
         the layout its last op made (a transposed matmul's, say), before
         AccumulateGrad would lay it out like the param: the fold takes it laid
         out like the buffer."""
-        if (r.contiguous and grad.is_contiguous()) or grad.stride() == r.buffer.stride():
+        if (r.contiguous and grad.is_contiguous()) or grad.stride() == r.buffer_stride:
             return grad
-        return torch.empty_like(r.buffer, dtype=grad.dtype).copy_(grad)
+        return torch.empty_strided(grad.shape, r.buffer_stride, dtype=grad.dtype, device=grad.device).copy_(grad)
 
     def _queue(self, r: ParamRecord, grad: torch.Tensor) -> None:
         """Check a gradient found in ``.grad`` (put there by other code) and
@@ -430,6 +470,10 @@ class HookIntake(Intake):
     @torch.no_grad()
     def _fold(self, bucket: Bucket) -> None:
         taken = self._pending.pop(bucket.index, [])
+        if self.layout.flat is None:
+            if self._hold(taken):
+                return
+            self._materialize()
         found_inf = self.window.step_found_inf if self.check_inf else None
         scale = self.loss_scale()
         touched = self.window.touched
@@ -453,6 +497,73 @@ class HookIntake(Intake):
             touched.add(r.index)
             if r.local_of is not None:
                 r.param.grad = None
+
+    def _hold(self, taken: list[tuple[ParamRecord, torch.Tensor]]) -> bool:
+        """Lean: hold the gradients as they are (checked for inf/NaN where
+        asked), unless one would need summing or converting (then False)."""
+        touched, seen = self.window.touched, set()
+        for r, g in taken:
+            if r.index in touched or r.index in seen or g.dtype != r.dtype:
+                return False
+            seen.add(r.index)
+        if self.check_inf:
+            _amp.unscale_and_check([g for _, g in taken], self._one, self.window.step_found_inf)
+        self._held_unscale = self.loss_scale()  # the same for every gradient of the (one) micro-step
+        for r, g in taken:
+            r.buffer = g
+            touched.add(r.index)
+        return True
+
+    def _materialize(self) -> None:
+        """Lean, and the window must sum after all: make the flat buffer, and
+        fold the gradients held so far into it."""
+        held = [r for r in self.layout if r.buffer is not None]
+        grads = [r.buffer for r in held]
+        self.layout.allocate()
+        if held:
+            ops.accumulate_([r.buffer for r in held], grads, self._held_unscale, overwrite=True, backend=self.backend)
+        self._held_unscale = 1.0
+
+    def held_scale(self, scale):
+        if self.layout.flat is None and not (isinstance(self._held_unscale, float) and self._held_unscale == 1.0):
+            return scale * self._held_unscale
+        return scale
+
+    def window_sum(self, r: ParamRecord) -> torch.Tensor:
+        if self.layout.flat is not None or r.buffer is None:
+            return r.buffer
+        return r.buffer.float() * self._held_unscale
+
+    def unscale_window(self, inverse_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+        if self.layout.flat is not None:
+            super().unscale_window(inverse_scale, found_inf)
+            return
+        # The held gradients are checked, and the step unscales them (in fp32).
+        _amp.unscale_and_check(
+            [self.layout.records[i].buffer for i in sorted(self.window.touched)], self._one, found_inf
+        )
+        self._held_unscale = inverse_scale
+
+    def saved_sums(self) -> torch.Tensor:
+        if self.layout.flat is not None:
+            return super().saved_sums()
+        return self.layout.flat_of({i: self.window_sum(self.layout.records[i]) for i in self.window.touched})
+
+    def restore_sums(self, sums: torch.Tensor | None) -> None:
+        if not self.lean:
+            super().restore_sums(sums)
+        elif sums is None:
+            self.after_step()
+        else:  # a window with sums: held in the flat buffer
+            self.layout.allocate()
+            self._held_unscale = 1.0
+            self.layout.flat.copy_(sums)
+
+    def after_step(self) -> None:
+        """Lean: the window's gradients (or flat buffer) are dropped."""
+        if self.lean:
+            self.layout.release()
+            self._held_unscale = 1.0
 
     def zero_grad(self) -> None:
         """Harmless where it belongs, after step() (or before a backward):
@@ -491,7 +602,7 @@ class HookIntake(Intake):
         self._scaler_checks = _amp.marker_checks()
         driver = _amp.scaler_driving(optimizer)
         if driver is not None and driver.is_enabled():
-            _amp.adopt(driver, optimizer, self.loss_scale, self, self.layout.flat.device)
+            _amp.adopt(driver, optimizer, self.loss_scale, self, self.layout.device)
 
     def report_micro_step(self, optimizer, step_found_inf) -> None:
         """The scaler's update() after this step() call backs off on what it is
@@ -499,13 +610,13 @@ class HookIntake(Intake):
         nothing (every rank's scaler sees the window's global flag at its end)."""
         scaler = self.loss_scale.scaler
         if _amp.is_enabled(scaler):
-            flag = torch.zeros(1, device=self.layout.flat.device) if self.sync.spans_ranks else step_found_inf
-            _amp.report_found_inf(scaler, optimizer, self.layout.flat.device, flag)
+            flag = torch.zeros(1, device=self.layout.device) if self.sync.spans_ranks else step_found_inf
+            _amp.report_found_inf(scaler, optimizer, self.layout.device, flag)
 
     def report_window(self, optimizer, found_inf: torch.Tensor) -> None:
         scaler = self.loss_scale.scaler
         if self.sync.spans_ranks and _amp.is_enabled(scaler):
-            _amp.report_found_inf(scaler, optimizer, self.layout.flat.device, found_inf)
+            _amp.report_found_inf(scaler, optimizer, self.layout.device, found_inf)
 
     def clip(self, records: list[ParamRecord], coef: torch.Tensor) -> None:
         """By the next window step (there is no .grad to clip now)."""
@@ -645,7 +756,7 @@ class GradIntake(Intake):
         if self.check_inf:
             buffers = [r.buffer for r in self.layout.records_of(self.window.touched)]
             _amp.check_exposed_window(
-                optimizer, self.loss_scale.scaler, buffers, self.window.found_inf, self.layout.flat.device
+                optimizer, self.loss_scale.scaler, buffers, self.window.found_inf, self.layout.device
             )
 
     def clip(self, records: list[ParamRecord], coef: torch.Tensor) -> None:
@@ -670,6 +781,13 @@ def _copy_into(buffer: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 INTAKE_CLASSES = {"hooks": HookIntake, "grad": GradIntake}
+
+
+def holds_buffers(intake: str, accum_steps: int | None, world_size: int, fsdp: bool) -> bool:
+    """Whether the wrapper keeps its fp32 flat buffer between windows: not
+    where a window is one micro-batch on one process with intake "hooks",
+    whose gradients are held as they arrive (HookIntake: lean)."""
+    return not (intake == "hooks" and accum_steps == 1 and world_size == 1 and not fsdp)
 
 
 def make_intake(name: str, *args, **kwargs) -> Intake:

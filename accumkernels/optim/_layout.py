@@ -9,6 +9,12 @@ param gets a channels_last view), grouped into buckets of at most
 16 * W elements, W the number of ranks that split it, so every rank's shard of
 it, ``flat[start + r*s : start + (r+1)*s]`` with ``s = (end - start) / W``,
 starts aligned too. All the flat-buffer arithmetic lives here.
+
+A wrapper whose windows are one micro-batch (accum_steps=1, one process)
+holds no flat buffer between windows (``hold=False``): each record's
+``buffer`` is then the gradient itself, in the param's dtype and laid out as
+its view would be, or None; ``allocate()`` makes the flat buffer for a
+window that must sum after all, ``release()`` drops it.
 """
 
 from __future__ import annotations
@@ -25,6 +31,14 @@ ALIGN_ELEMENTS = 16  # 64 bytes of fp32
 
 def _round_up(n: int, unit: int) -> int:
     return -(-n // unit) * unit
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def flat_view(t: torch.Tensor) -> torch.Tensor:
@@ -61,7 +75,9 @@ class ParamRecord:
     group: int  # its param group
     offset: int  # first element of its view in the flat buffer
     bucket: Bucket | None = None
-    buffer: torch.Tensor | None = None  # fp32 view of the flat buffer, laid out like the param
+    # fp32 view of the flat buffer, laid out like the param (without a flat
+    # buffer: the window's gradient in the param's dtype, laid out alike, or None)
+    buffer: torch.Tensor | None = None
     shard: tuple[int, int] | None = None  # [lo, hi) of its elements this rank steps; None: all
     precision: object = None  # how the fused step keeps it (_update.Precision)
     dtype: torch.dtype | None = None  # the param's dtype and device when wrapped (model.to() after wrapping is refused)
@@ -69,6 +85,7 @@ class ParamRecord:
     master: torch.Tensor | None = None  # master weights of what this rank steps: fp32, or int16 remainders
     marker: torch.Tensor | None = None  # intake "hooks": the FoldedGrad its .grad holds
     contiguous: bool = True  # its buffer view is contiguous (intake "hooks" reads it per gradient)
+    buffer_stride: tuple[int, ...] = ()  # its buffer view's strides
 
     @property
     def local(self) -> torch.Tensor:
@@ -101,6 +118,15 @@ class ParamRecord:
         if self.shard is None:
             return self.buffer
         return flat_view(self.buffer)[self.shard[0] : self.shard[1]]
+
+    def buffer_like(self) -> torch.Tensor:
+        """A tensor laid out as buffer_view() (what state is made like): the
+        view, or where there is none (no flat buffer, no gradient), the
+        param's stepped elements, or a new contiguous tensor for a non-dense param."""
+        if self.buffer is not None:
+            return self.buffer_view()
+        view = self.param_view()
+        return view if is_dense(view) else torch.empty(view.shape, dtype=torch.uint8, device=view.device)
 
 
 def collect_params(optimizer) -> tuple[list[torch.Tensor], list[int]]:
@@ -144,6 +170,7 @@ class Layout:
         shard_ranks: int = 1,
         local=None,
         unit_of=None,
+        hold: bool = True,
     ) -> None:
         # `local` maps a param to the tensor whose elements the buffers hold
         # (a DTensor's local shard under FSDP2); None: the param itself.
@@ -177,21 +204,48 @@ class Layout:
                 total += _round_up(r.numel, ALIGN_ELEMENTS)
             total = _round_up(total, ALIGN_ELEMENTS * shard_ranks)
             b.end = total
-        self.flat = torch.zeros(total, dtype=torch.float32, device=device)
+        self.numel = total
+        self.device = device
+        self.flat: torch.Tensor | None = None
         for r in self.records:
-            r.buffer = self.view(r)
-            r.contiguous = r.buffer.is_contiguous()
+            t = r.local
+            r.contiguous = t.is_contiguous() or not is_dense(t)
+            r.buffer_stride = _contiguous_strides(t.shape) if r.contiguous else t.stride()
+        if hold:
+            self.allocate()
         self.refresh_expected()
 
-    def view(self, r: ParamRecord) -> torch.Tensor:
-        """A new view of ``r``'s slice of the flat buffer, laid out like the param
-        where the param is dense in some memory order (channels_last: the same
-        strides); contiguous for a param that is a non-dense view (a column
-        slice), whose strides would reach into the neighbours' slices."""
-        t = r.local
-        if t.is_contiguous() or not is_dense(t):
-            return self.flat[r.offset : r.offset + t.numel()].view(t.shape)
-        return self.flat.as_strided(t.shape, t.stride(), r.offset)
+    def allocate(self) -> None:
+        """Make the flat buffer (zeros) and point every record's buffer at its view."""
+        self.flat = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        for r in self.records:
+            r.buffer = self.view(r)
+
+    def release(self) -> None:
+        """Drop the flat buffer (or the gradients held without one)."""
+        self.flat = None
+        for r in self.records:
+            r.buffer = None
+
+    def view(self, r: ParamRecord, flat: torch.Tensor | None = None) -> torch.Tensor:
+        """A new view of ``r``'s slice of the flat buffer (or of ``flat``), laid
+        out like the param where the param is dense in some memory order
+        (channels_last: the same strides); contiguous for a param that is a
+        non-dense view (a column slice), whose strides would reach into the
+        neighbours' slices."""
+        flat = self.flat if flat is None else flat
+        if r.contiguous:
+            return flat[r.offset : r.offset + r.local.numel()].view(r.local.shape)
+        return flat.as_strided(r.local.shape, r.buffer_stride, r.offset)
+
+    def flat_of(self, values: dict[int, torch.Tensor]) -> torch.Tensor:
+        """A new fp32 flat buffer holding ``values`` (record index -> its
+        window sum) in their views and zeros elsewhere: what a layout
+        without one saves in a checkpoint."""
+        flat = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        for i, value in values.items():
+            self.view(self.records[i], flat).copy_(value)
+        return flat
 
     def aliased(self, r: ParamRecord) -> bool:
         """``r.buffer`` still lies in the flat buffer. Code that replaces a
@@ -242,5 +296,10 @@ class Layout:
                 r.shard = (a - r.offset, z - r.offset) if a < z else (0, 0)
 
     def zero_views(self, records) -> None:
+        """The records' window sums become zeros (without a flat buffer: a zero
+        gradient of the param's dtype, laid out as its view)."""
         for r in records:
-            r.buffer.zero_()
+            if self.flat is None:
+                r.buffer = torch.zeros_like(r.buffer_like(), dtype=r.dtype, memory_format=torch.preserve_format)
+            else:
+                r.buffer.zero_()

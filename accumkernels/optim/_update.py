@@ -165,7 +165,14 @@ class Updater:
         """Sum of squares of this rank's stepped buffer elements (0-dim fp32)."""
         views = [r.buffer_view() for r in records if r.stepped_here]
         if not views:
-            return torch.zeros((), device=self.layout.flat.device)
+            return torch.zeros((), device=self.layout.device)
+        if any(v.dtype != torch.float32 for v in views):
+            # Gradients held in their params' dtypes (_intake: lean): their
+            # squares summed in float64 (exact squares; fp32 where a device
+            # lacks float64), as ops.grad_norm sums the fp32 buffers'.
+            dtype = torch.float64 if views[0].device.type in ("cpu", "cuda") else torch.float32
+            squares = sum(torch.linalg.vector_norm(v, dtype=dtype).square() for v in views)
+            return squares.sqrt().float().square()
         norm = ops.grad_norm(views, backend=self.backend)
         return norm * norm
 
@@ -213,7 +220,7 @@ class Updater:
         kernels get its local shard. Its layout is the buffer's: the param's own,
         or contiguous for a param that is a non-dense view (as torch.optim's
         ``zeros_like(param, memory_format=torch.preserve_format)``)."""
-        like = r.buffer_view()
+        like = r.buffer_like()
         dtype = r.precision.state_dtype
         state = self.optimizer.state[r.param]
         if key not in state and key + "_codes" in state:  # an 8-bit checkpoint: decoded
@@ -239,7 +246,7 @@ class Updater:
         param the codes are a DTensor sharded like it and the scales this
         rank's row of a (W, blocks) DTensor (_fsdp.state8_blocks says why); the
         kernels get the local shard and the row's first scales."""
-        like = r.buffer_view()
+        like = r.buffer_like()
         blocks = state8.scales_numel(like.numel())
         dtensor = r.param is not r.local
         kept = state8_blocks(r.param) if dtensor else blocks  # scales this rank keeps

@@ -22,7 +22,7 @@ import torch
 from .. import ops
 from . import _checkpoint, _fsdp, _guards
 from ._amp import LossScale
-from ._intake import INTAKE_CLASSES, INTAKES, make_intake
+from ._intake import INTAKE_CLASSES, INTAKES, holds_buffers, make_intake
 from ._layout import Layout, param_signature
 from ._options import check_options
 from ._sync import make_sync
@@ -189,6 +189,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             self.world_size if self.sharded else 1,
             local=_fsdp.local_tensor if mesh is not None else None,
             unit_of=_fsdp.unit_of(params) if mesh is not None else None,
+            hold=holds_buffers(intake, accum_steps, self.world_size, fsdp=mesh is not None),
         )
         self._window = Window(normalize, self.device, run_seed(seed, self.device, self.process_group, self.world_size))
         self._loss_scale = LossScale(grad_scaler, self.device)
@@ -339,8 +340,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._refuse_during_reduction("accumulated_grad()")
         self._intake.flush()
         if r.index not in self._window.touched:
-            return torch.zeros_like(r.buffer)
-        return r.buffer * self._window.normalization(pending=True)
+            return torch.zeros_like(r.buffer_like(), dtype=torch.float32)
+        return self._intake.window_sum(r) * self._window.normalization(pending=True)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -359,7 +360,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             )
         self._intake.flush()
         records = self._sync.norm_records()
-        norm = self._updater.norm(records, self._window.normalization(pending=True))
+        norm = self._updater.norm(records, self._intake.held_scale(self._window.normalization(pending=True)))
         self._intake.clip(records, clip_coefficient(max_norm, norm))
         return norm
 
@@ -380,7 +381,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         sd = self.optimizer.state_dict()
         empty = not self._window.micro_steps and not self._window.touched  # at a window boundary: nothing to keep
         sd["accumkernels"] = {
-            "flat_buffer": None if empty else self._layout.flat.clone(),
+            "flat_buffer": None if empty else self._intake.saved_sums(),
             **self._window.state_dict(),
             "master_weights": {r.index: r.master.clone() for r in self._layout if r.master is not None},
             "world_size": self.world_size,
@@ -459,6 +460,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         window = self._window
         self._intake.end_window(self)
         found_inf, grad_scale = self._sync.end_window(self._check_inf)  # touched: over every rank
+        grad_scale = self._intake.held_scale(grad_scale)
         self._intake.report_window(self, found_inf)
         # Params whose .grad zero_grad(set_to_none=False) kept as zeros are
         # stepped too, with a zero gradient (intake "hooks" overwrites a buffer
@@ -479,6 +481,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         # An LR scheduler built on the wrapped optimizer tracks its step() calls
         # (torch.optim.lr_scheduler's _opt_called), which the fused step makes none of.
         self.optimizer._opt_called = True
+        self._intake.after_step()
         self._sync.after_step()
         window.windows += 1
         window.clear()
