@@ -24,14 +24,16 @@ and bitsandbytes' ``AdamW8bit`` (each where it is installed); fp16 params
 (with a GradScaler) to decide their defaults.
 
 Training state, bytes per param: what the recipe keeps across micro-steps
-besides activations, measured on its objects at the end of a window: params,
-gradient storage (``.grad`` or the wrapper's fp32 buffers), optimizer state
-(the real storage of quantized state), master weights or remainders.
+besides activations, measured on its objects: params, gradient storage after
+a window's last backward (``.grad``, the wrapper's fp32 buffers, or at N = 1
+the gradients it holds instead), optimizer state (the real storage of
+quantized state), master weights or remainders.
 
 ``python -m bench.convergence`` runs the default setting (3 seeds, 80
 windows, the main recipes at N = 8 and three at N = 32; about 5 minutes on 2
 cores); ``--full`` the longer one (3 seeds, 300 windows, every recipe at N = 8,
-five at N = 32 and 64; about 75 minutes on 2 cores, fp16 on the CPU is slow). It
+five at N = 32 and 64, seven at N = 1, where the wrapper holds no fp32 buffer;
+about 90 minutes on 2 cores, fp16 on the CPU is slow). It
 prints a table (held-out loss mean and spread over seeds, difference to fp32,
 bytes/param, ms/window), writes convergence-<setting>.json and a PNG of the
 held-out loss curves and the final differences.
@@ -70,6 +72,7 @@ _MAIN = (
     "bnb-8bit",
 )
 _LONG_WINDOWS = ("fp32", "autocast", "bf16-plain", "ours", "torchao-sr")
+_NO_ACCUMULATION = ("fp32", "bf16-plain", "ours", "ours-8bit", "torchao-sr", "torchao-8bit", "bnb-8bit")
 SETTINGS = {
     # name: (windows, seeds, {N: the recipes run at that window length})
     "default": (80, 3, {8: _MAIN, 32: ("fp32", "bf16-plain", "ours")}),
@@ -80,6 +83,9 @@ SETTINGS = {
             8: _MAIN + ("ours-fp32-state", "ours-remainders-bf16-state", "fp16-ours", "fp16-ours-master"),
             32: _LONG_WINDOWS,
             64: _LONG_WINDOWS,
+            # No accumulation: the window's 64 sequences in one micro-batch,
+            # where the wrapper holds no fp32 buffer (accum_steps=1).
+            1: _NO_ACCUMULATION,
         },
     ),
     "quick": (6, 1, {4: ("fp32", "bf16-plain", "ours", "ours-remainders")}),
@@ -233,7 +239,7 @@ def train(name: str, seed: int, n_micro: int, windows: int, data, eval_every: in
                 e.copy_(p.float())
             return float(eval_model.loss(held_x, held_y))
 
-    curve, times, state_bytes = [], [], None
+    curve, times, state_bytes, grad_bytes = [], [], None, None
     batch_gen = torch.Generator().manual_seed(seed * 1_000_003 + 7)
     for w in range(windows):
         for group in opt.param_groups:  # torchao keeps lr as a tensor, to be filled in place
@@ -248,6 +254,8 @@ def train(name: str, seed: int, n_micro: int, windows: int, data, eval_every: in
                 loss = model.loss(xb, yb)
             if ours:
                 (scaler.scale(loss) if scaler else loss).backward()
+                if grad_bytes is None and opt.micro_steps + 1 == n_micro:  # the window's gradients, before its step
+                    grad_bytes = _wrapper_grad_bytes(opt)
                 if scaler:
                     scaler.step(opt)
                     scaler.update()
@@ -263,7 +271,7 @@ def train(name: str, seed: int, n_micro: int, windows: int, data, eval_every: in
             opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
         if ours and state_bytes is None:
-            state_bytes = _state_bytes(params, opt, opt)
+            state_bytes = _state_bytes(params, opt, opt, grads=grad_bytes)
         if (w + 1) % eval_every == 0 or w == windows - 1:
             curve.append((w + 1, held_out_loss()))
     if not ours:  # the optimizer state exists after the first step
@@ -281,11 +289,20 @@ def train(name: str, seed: int, n_micro: int, windows: int, data, eval_every: in
     }
 
 
+def _wrapper_grad_bytes(wrapper) -> int:
+    """The wrapper's gradient storage after a window's last backward: its fp32
+    buffers, or (accum_steps=1) the gradients it holds in the params' dtypes."""
+    if wrapper._layout.flat is not None:
+        return _tensor_bytes(wrapper._layout.flat)
+    return sum(_tensor_bytes(r.buffer) for r in wrapper._layout if r.buffer is not None)
+
+
 def _state_bytes(params, opt, wrapper, grads=None) -> dict:
-    """Training state by part: params, gradient storage, optimizer state, master weights."""
+    """Training state by part: params, gradient storage (``grads``: measured
+    before the step), optimizer state, master weights."""
     out = {"params": sum(_tensor_bytes(p) for p in params)}
     if wrapper is not None:
-        out["grads"] = _tensor_bytes(wrapper._layout.flat)
+        out["grads"] = grads
         out["masters"] = sum(_tensor_bytes(r.master) for r in wrapper._layout if r.master is not None)
     else:
         out["grads"] = grads if grads is not None else sum(_tensor_bytes(p.grad) for p in params if p.grad is not None)
@@ -436,7 +453,7 @@ def run(setting: str, progress=print, recipes: list[str] | None = None, n_micro_
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--full", action="store_true", help="300 windows, N = 8, 32 and 64")
+    parser.add_argument("--full", action="store_true", help="300 windows, N = 8, 32, 64 and 1")
     parser.add_argument("--quick", action="store_true", help="a few windows (the tests' smoke run)")
     parser.add_argument("--results-dir", default=None, help="default bench/results/local/")
     parser.add_argument(
