@@ -331,6 +331,41 @@ def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
                 backend=backend,
             ),
         )
+    # No buffer (accum_steps=1): the step reads the bf16 gradient as it is and
+    # clears nothing. Bytes: p r/w 4 + gradient read 2, then the defaults'
+    # bf16 state r/w 8 (14 B/element), or the 8-bit codes r/w 4 and the scales
+    # (10.0625 B/element).
+    g16 = g.bfloat16()
+    for backend in backends:
+        for key, label, bpe, state, scales in (
+            ("adamw_bf16_state_bf16_grad", "bf16 state", 14, (mb, vb), {}),
+            (
+                "adamw_bf16_8bit_bf16_grad",
+                "8-bit state",
+                10 + 16 / 256,
+                (codes_m, codes_v),
+                dict(exp_avg_scales=[scales_m], exp_avg_sq_scales=[scales_v]),
+            ),
+        ):
+            group.add(
+                f"{key}[{backend}]",
+                f"adamw_step_and_zero_ bf16 params, {label}, from the bf16 gradient (no buffer) [{backend}]",
+                bpe,
+                numel,
+                lambda state=state, scales=scales, backend=backend: ak.adamw_step_and_zero_(
+                    [pb],
+                    [g16],
+                    [state[0]],
+                    [state[1]],
+                    [step],
+                    **scales,
+                    lr=1e-3,
+                    zero_buffers=False,
+                    stochastic_rounding=True,
+                    seed=3,
+                    backend=backend,
+                ),
+            )
     # The same step over a model's 200 tensors, against torch's fused AdamW:
     # GPT d=512 (60M elements) on the CPU, d=2048 (846M) on CUDA.
     d_model = 2048 if device.type == "cuda" and not quick else 512

@@ -10,6 +10,9 @@ when a bucket's gradients are all there, one ``accumulate_`` call folds them
 into the buffers (cast, loss-scale and inf check in the same pass; a param's
 first gradient of a window overwrites its buffer, so nothing is ever zeroed).
 At most a bucket's worth of gradients lives beside the buffers.
+Where a window is one micro-batch (accum_steps=1, one process: "lean",
+``holds_buffers``) there is no flat buffer: each gradient is held as it
+arrived until the step reads it.
 ``.grad`` holds a ``FoldedGrad`` marker (accumkernels.optim._folded) that
 raises, naming what to use instead, wherever code tries to read it.
 

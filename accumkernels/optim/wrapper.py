@@ -65,7 +65,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         optimizer: the optimizer to wrap, with all its param groups already added.
         accum_steps: micro-steps per window (or a ``WindowPlan`` from ``plan_window``);
             ``None``: every ``step()`` call ends a window (frameworks, which count the
-            window and scale the loss themselves).
+            window and scale the loss themselves). ``1`` on one process (intake
+            ``"hooks"``): no fp32 buffer is held, the step reads each gradient as
+            it arrived (in its param's dtype), as nothing is summed.
         normalize: ``"mean"``, ``"sum"`` or ``"items"`` (see above).
         max_grad_norm: clip the window's gradient to this global L2 norm.
         master_weights: ``True``: keep fp32 master weights of bf16/fp16 params
