@@ -21,13 +21,24 @@ import accumkernels as ak
 from accumkernels.optim import _intake
 
 
+@pytest.fixture(autouse=True)
+def _data_seed():
+    """Both runs of a comparison start from the same weights and batches,
+    drawn from the test's seed (tests/conftest.py; the seed sweep varies it)."""
+    global _SEED
+    _SEED = int(torch.randint(0, 2**31, ()))
+
+
+_SEED = 0
+
+
 def _model(dtype) -> nn.Module:
-    torch.manual_seed(7)
+    torch.manual_seed(_SEED)
     return nn.Sequential(nn.Linear(33, 64), nn.GELU(), nn.Linear(64, 5)).to(dtype)
 
 
 def _batch(k: int, dtype) -> torch.Tensor:
-    return torch.randn(16, 33, generator=torch.Generator().manual_seed(100 + k)).to(dtype)
+    return torch.randn(16, 33, generator=torch.Generator().manual_seed(_SEED + k)).to(dtype)
 
 
 def _loss(model, k):
@@ -295,3 +306,26 @@ def test_static_bytes_count_the_gradients_instead_of_buffers():
     assert lean["fp32 buffers"] == 0 and lean["gradients"] == 2 * n
     assert held["fp32 buffers"] == 4 * n and "gradients" not in held
     assert sum(lean.values()) == 2 * n + 2 * n + 2 * (n + 4 * n // 256) + 4
+
+
+def test_staged_unfreezing_and_a_deepcopy_mid_window(backend, monkeypatch):
+    """A param unfrozen after wrapping joins a lean window as with the buffer;
+    a copy taken between a backward and its step() (copy.deepcopy goes
+    through the state dict) steps as the original."""
+
+    def make():
+        model = _model(torch.bfloat16)
+        model[0].weight.requires_grad_(False)
+        return model, ak.AccumulatingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), accum_steps=1, seed=3)
+
+    def run(model, opt):
+        _windows(model, opt, n=2)
+        model[0].weight.requires_grad_(True)
+        _windows(model, opt, n=2)
+        _loss(model, 9).backward()
+        twin_model, twin = copy.deepcopy((model, opt))
+        opt.step()
+        twin.step()
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin_model.parameters()))
+
+    _assert_same(_pair(make, run, monkeypatch))

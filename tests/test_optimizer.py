@@ -840,24 +840,31 @@ class _Checkpointed(nn.Module):
         return torch.utils.checkpoint.checkpoint(nn.Sequential(*rest), first(x), use_reentrant=False)
 
 
-@pytest.mark.parametrize("intake", ["hooks", "grad"])
+@pytest.mark.parametrize("intake", ["hooks", "grad", "hooks-no-buffer"])
 @pytest.mark.parametrize("wrap_model", ["compile", "checkpoint"])
 def test_compiled_and_checkpointed_models(intake, wrap_model):
     """torch.compile (inductor) and activation checkpointing change how backward
     runs, not what the window is: against torch's accumulation through the same
     wrapping (a compiled backward rounds otherwise than the eager one, so the
-    plain run compiles too and gets the same window gradient)."""
+    plain run compiles too and gets the same window gradient). "hooks-no-buffer":
+    windows of one micro-batch (accum_steps=1), where the wrapper holds no buffer."""
     windows = [data() for _ in range(2)]
     plain, ours = mlp(), mlp()
+    n_micro = 1 if intake == "hooks-no-buffer" else 4
 
     def wrapped(m):
         return torch.compile(m) if wrap_model == "compile" else _Checkpointed(m)
 
-    big_batch_run(wrapped(plain), torch.optim.AdamW(plain.parameters(), lr=1e-2, eps=ADAM_EPS), windows)
-    opt = ak.AccumulatingOptimizer(
-        torch.optim.AdamW(ours.parameters(), lr=1e-2, eps=ADAM_EPS), accum_steps=4, intake=intake
+    big_batch_run(
+        wrapped(plain), torch.optim.AdamW(plain.parameters(), lr=1e-2, eps=ADAM_EPS), windows, n_micro=n_micro
     )
-    micro_batch_run(wrapped(ours), opt, windows, 4)
+    opt = ak.AccumulatingOptimizer(
+        torch.optim.AdamW(ours.parameters(), lr=1e-2, eps=ADAM_EPS),
+        accum_steps=n_micro,
+        intake=intake.removesuffix("-no-buffer"),
+    )
+    assert (opt._layout.flat is None) == (n_micro == 1)
+    micro_batch_run(wrapped(ours), opt, windows, n_micro)
     assert opt.optimizer.state[next(ours.parameters())]["step"].item() == 2
     assert rel_diff(ours, plain) <= PARITY
 
