@@ -329,3 +329,46 @@ def test_staged_unfreezing_and_a_deepcopy_mid_window(backend, monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin_model.parameters()))
 
     _assert_same(_pair(make, run, monkeypatch))
+
+
+class _Scaled(nn.Module):
+    """A model with a 0-dim param (a learned temperature)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(_SEED)
+        self.body = nn.Linear(33, 5)
+        self.temperature = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return self.body(x) * self.temperature
+
+
+def test_a_0_dim_param_under_a_grad_scaler(backend, monkeypatch):
+    """accumulated_grad() keeps a 0-dim param's shape, and a checkpoint taken
+    between the backward and step() loads, with the held gradients unscaled by
+    a GradScaler's factor."""
+    shapes = []
+
+    def make():
+        model = _Scaled().to(torch.float16)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        opt = ak.AccumulatingOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-2), accum_steps=1, seed=3, grad_scaler=scaler
+        )
+        opt.test_scaler = scaler
+        return model, opt
+
+    def run(model, opt):
+        scaler = opt.test_scaler
+        for k in range(3):
+            scaler.scale(_loss(model, k)).backward()
+            shapes.append(tuple(opt.accumulated_grad(model.temperature).shape))
+            sums = opt.state_dict()["accumkernels"]["flat_buffer"]
+            assert sums is not None and torch.isfinite(sums).all()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+
+    _assert_same(_pair(make, run, monkeypatch))
+    assert shapes == [()] * 6

@@ -535,7 +535,8 @@ class HookIntake(Intake):
     def window_sum(self, r: ParamRecord) -> torch.Tensor:
         if self.layout.flat is not None or r.buffer is None:
             return r.buffer
-        return r.buffer.float() * self._held_unscale
+        unscale = self._held_unscale  # a 1-element tensor keeps a 0-dim param's shape
+        return r.buffer.float() * (unscale.reshape(()) if isinstance(unscale, torch.Tensor) else unscale)
 
     def unscale_window(self, inverse_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
         if self.layout.flat is not None:
