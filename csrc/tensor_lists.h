@@ -54,4 +54,9 @@ inline std::vector<DtypeGroup> group_by_dtype(at::TensorList key,
   return groups;
 }
 
+// The storage dtype of `list`'s tensors in group `g` (one per group: the op's checks say so).
+inline Dtype group_dtype(at::TensorList list, const DtypeGroup& g) {
+  return storage_dtype(list[g.indices[0]].scalar_type());
+}
+
 }  // namespace accumkernels

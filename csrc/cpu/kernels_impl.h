@@ -65,13 +65,7 @@ void with_param_weights(const StepCall& call, const WeightsChunk& c, F&& f) {
     constexpr Dtype P = decltype(p)::value;
     with_weights_kind<P>(call.weights, [&](auto kind) {
       const auto w = weights<P, decltype(kind)::value>(c);
-      if constexpr (P == Dtype::kFloat32) {
-        f(w, p);
-      } else if (call.grad_dtype == Dtype::kFloat32) {
-        f(w, std::integral_constant<Dtype, Dtype::kFloat32>{});
-      } else {
-        f(w, p);
-      }
+      with_grad_dtype<P>(call.grad_dtype, [&](auto g) { f(w, g); });
     });
   });
 }

@@ -29,7 +29,7 @@ inline StepCall step_call(const DtypeGroup& g, at::TensorList buffers, const Mas
                           const Stochastic& sr, Dtype state_dtype, bool state8, float grad_scale,
                           bool zero_buffers) {
   return {g.dtype,   step_weights_kind(g.dtype, masters, sr),
-          storage_dtype(buffers[g.indices[0]].scalar_type()),
+          group_dtype(buffers, g),
           state_dtype, state8, sr.seed, grad_scale, zero_buffers};
 }
 

@@ -191,17 +191,12 @@ inline std::vector<uint32_t> group_streams(const DtypeGroup& g, const Stochastic
 // dtype that of the group's buffers in `buffers`: fp32 sums or P).
 template <typename F>
 void with_step_kind(const DtypeGroup& g, at::TensorList buffers, WeightsKind kind, Dtype state_dtype, F&& f) {
-  const bool fp32_sums = buffers[g.indices[0]].scalar_type() == at::kFloat;
+  const Dtype grad_dtype = group_dtype(buffers, g);
   with_dtype(g.dtype, [&](auto p) {
-    with_weights_kind<decltype(p)::value>(kind, [&](auto k) {
+    constexpr Dtype P = decltype(p)::value;
+    with_weights_kind<P>(kind, [&](auto k) {
       with_state_dtype(state_dtype, [&](auto s) {
-        if constexpr (decltype(p)::value == Dtype::kFloat32) {
-          f(p, k, s, p);
-        } else if (fp32_sums) {
-          f(p, k, s, std::integral_constant<Dtype, Dtype::kFloat32>{});
-        } else {
-          f(p, k, s, p);
-        }
+        with_grad_dtype<P>(grad_dtype, [&](auto gd) { f(p, k, s, gd); });
       });
     });
   });

@@ -1,6 +1,6 @@
 // Run-time values to compile-time constants: with_bool(b, f) calls
 // f(std::bool_constant<b>), and likewise for the storage dtype, the momentum
-// mode, the weights kind and the state dtype, so kernels are templates on everything that
+// mode, the weights kind, the state dtype and a step's grad dtype, so kernels are templates on everything that
 // changes their inner loop. Shared by the CPU and CUDA host code.
 #pragma once
 
@@ -88,6 +88,20 @@ void with_state_dtype(Dtype d, F&& f) {
     f(std::integral_constant<Dtype, Dtype::kBFloat16>{});
   } else {
     f(std::integral_constant<Dtype, Dtype::kFloat32>{});
+  }
+}
+
+// A step's buffers over params of dtype P hold fp32 sums or gradients of P:
+// calls f(std::integral_constant<Dtype, G>) with the one of the two that
+// `grad_dtype` names (for fp32 params they are the same).
+template <Dtype P, typename F>
+void with_grad_dtype(Dtype grad_dtype, F&& f) {
+  if constexpr (P == Dtype::kFloat32) {
+    f(std::integral_constant<Dtype, P>{});
+  } else if (grad_dtype == Dtype::kFloat32) {
+    f(std::integral_constant<Dtype, Dtype::kFloat32>{});
+  } else {
+    f(std::integral_constant<Dtype, P>{});
   }
 }
 
