@@ -209,15 +209,10 @@ def load(wrapper, state_dict: dict) -> None:
     wrapper.optimizer.load_state_dict(state_dict)
     load_state_in_its_dtype(wrapper, state_dict)
     wrapper._window.clear()
-    # None: saved at a window boundary, or a plain optimizer's checkpoint: the window starts empty, its buffers too
-    wrapper._intake.restore_sums(None if extra is None else extra["flat_buffer"])
     if extra is not None:
         wrapper._window.load_state_dict(extra)
-        # Intake "hooks" overwrites a buffer at a param's first gradient of a
-        # window, so a checkpoint it saved may hold old sums where the window
-        # has none; intake "grad" shows every buffer as .grad and adds into it.
-        if wrapper._layout.flat is not None:
-            wrapper._layout.zero_views(r for r in wrapper._layout if r.index not in wrapper._window.touched)
+    # None: saved at a window boundary, or a plain optimizer's checkpoint: the window starts empty, its buffers too
+    wrapper._intake.restore_sums(None if extra is None else extra["flat_buffer"])
     for r in wrapper._layout:  # master weights: the checkpoint's, or the (already loaded) params'
         if r.master is None:
             continue

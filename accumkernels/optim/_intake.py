@@ -61,6 +61,13 @@ from ._window import Window
 
 INTAKES = ("hooks", "grad")
 
+
+def default_intake(intake: str | None, accum_steps: int | None) -> str:
+    """The intake asked for, or the default: "grad" where frameworks count the
+    window (accum_steps=None), else "hooks"."""
+    return intake or ("grad" if accum_steps is None else "hooks")
+
+
 # param -> weak reference to the intake that owns it
 _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
@@ -307,11 +314,16 @@ class Intake:
         return self.layout.flat.clone()
 
     def restore_sums(self, sums: torch.Tensor | None) -> None:
-        """A checkpoint's flat buffer, or None (a window that starts empty)."""
+        """A checkpoint's flat buffer, or None (a window that starts empty),
+        after the window's own state (``touched``) is loaded."""
         if sums is None:
             self.layout.flat.zero_()
-        else:
-            self.layout.flat.copy_(sums)
+            return
+        self.layout.flat.copy_(sums)
+        # Intake "hooks" overwrites a buffer at a param's first gradient of a
+        # window, so a checkpoint it saved may hold old sums where the window
+        # has none; intake "grad" shows every buffer as .grad and adds into it.
+        self.layout.zero_views(r for r in self.layout if r.index not in self.window.touched)
 
     def after_step(self) -> None:
         """The window's update is done (or skipped)."""
@@ -561,7 +573,7 @@ class HookIntake(Intake):
         else:  # a window with sums: held in the flat buffer
             self.layout.allocate()
             self._held_unscale = 1.0
-            self.layout.flat.copy_(sums)
+            super().restore_sums(sums)
 
     def after_step(self) -> None:
         """Lean: the window's gradients (or flat buffer) are dropped."""

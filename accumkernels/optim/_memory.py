@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ._intake import holds_buffers
+from ._intake import default_intake, holds_buffers
 from ._layout import Layout, collect_params
 from ._update import optimizer_kind, precision_of, state_keys
 
@@ -31,7 +31,7 @@ def static_bytes(optimizer: torch.optim.Optimizer, **wrapper_options) -> dict[st
     if wrapper_options.get("sharded"):
         world = ranks
     accum_steps = wrapper_options.get("accum_steps")
-    intake = wrapper_options.get("intake") or ("grad" if accum_steps is None else "hooks")
+    intake = default_intake(wrapper_options.get("intake"), accum_steps)
     lean = not holds_buffers(intake, accum_steps, ranks, fsdp=False)
     layout = Layout(params, groups, torch.device("meta"), wrapper_options.get("bucket_cap_mb", 25.0), world, hold=False)
     stepped = {id(p): p.numel() // world for p in params}  # sharded: each rank steps 1/W of every bucket

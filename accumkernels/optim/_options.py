@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from .._validation import is_dense
 from . import _ddp, _fsdp, _pipeline
-from ._intake import INTAKES
+from ._intake import INTAKES, default_intake
 from ._layout import collect_params
 from ._update import MASTER_WEIGHTS, STATE_DTYPES, optimizer_kind
 from ._window import NORMALIZE
@@ -75,7 +75,7 @@ def check_options(
         raise ValueError(f"bucket_cap_mb must be > 0; got {bucket_cap_mb!r}")
     if wire_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"wire_dtype must be torch.float32 or torch.bfloat16; got {wire_dtype!r}")
-    intake = intake or ("grad" if accum_steps is None else "hooks")
+    intake = default_intake(intake, accum_steps)
     if intake not in INTAKES:
         raise ValueError(f"intake must be None or one of {INTAKES}; got {intake!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32):
