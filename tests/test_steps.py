@@ -532,6 +532,35 @@ def test_nonfinite_gradients_as_torch(backend, kind, hyper):
                 _same_nonfinite(state[key][0], value, f"{key} after step {step_index + 1}")
 
 
+def test_stochastic_rounding_keeps_every_nan_a_nan(backend):
+    """NaNs whose low bits plus the random bits would carry (into inf, or past
+    the sign into a zero) stay NaN when rounded stochastically to bf16, and inf
+    stays inf: an SGD step's first momentum buffer is its gradient, so the
+    buffer's bits reach the rounding as they are (slot 1), and the param
+    (slot 0) becomes p - lr * NaN. Every element is rounded with 300 seeds."""
+    payloads = [0x7FFFFFFF, 0xFFFFFFFF, 0x7FFF8001, 0x7F800001, 0xFF800001, 0x7FBFFFFF, 0x7FC00000]
+    specials = torch.tensor(payloads, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    grad = torch.cat([specials, torch.tensor([float("inf"), float("-inf"), 1.0, -2.5])])
+    nan, inf = grad.isnan(), grad.isinf()
+    for seed in range(300):
+        param = torch.randn(grad.numel()).bfloat16()
+        momentum_buffer = torch.zeros(grad.numel(), dtype=torch.bfloat16)
+        ak.sgd_step_and_zero_(
+            [param],
+            [grad.clone()],
+            [momentum_buffer],
+            lr=1.0,
+            momentum=0.9,
+            is_first_step=True,
+            stochastic_rounding=True,
+            seed=seed,
+            backend=backend,
+        )
+        for name, out, expected_inf in (("momentum buffer", momentum_buffer, grad), ("param", param, -grad)):
+            assert torch.equal(out.isnan(), nan), f"{name}, seed {seed}: {out}"
+            assert torch.equal(out.float()[inf], expected_inf[inf]), f"{name}, seed {seed}: {out}"
+
+
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])
 def test_nonfinite_accumulate_and_norm_as_torch(backend, value):
     grad = torch.randn(100).bfloat16()

@@ -10,6 +10,13 @@
 
 namespace accumkernels::cpu {
 
+// The ops cut their tensors into chunks of at most kChunk elements
+// (parallel.h), and a kernel call gets one chunk: the step loops index it with
+// int32: with a 64-bit index the rounding hashes' index vectors take twice
+// the registers and instructions (measured: 6% more arithmetic in the
+// bf16-state AdamW step on AVX-512).
+constexpr int64_t kChunk = int64_t{1} << 16;
+
 struct AccumulateCall {
   Dtype grad_dtype;
   bool overwrite;

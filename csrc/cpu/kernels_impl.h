@@ -95,8 +95,9 @@ void sgd_loop(const W& weights_in, const St& momentum_in, const SrChunk& sr_in, 
   const St mom = momentum_in;
   const SrChunk sr = sr_in;
   typename Storage<G>::type* AK_RESTRICT buffer = grads_of<G>(c.buffer);
+  const int32_t n = static_cast<int32_t>(c.n);  // <= kChunk
 #pragma omp simd
-  for (int64_t i = 0; i < c.n; ++i) {
+  for (int32_t i = 0; i < n; ++i) {
     const float g = grad_scale * Storage<G>::load(buffer[i]);
     float b = kMomentum == Momentum::kRunning ? mom.load(i) : 0.0f;
     w.store(i, sgd_update<kMomentum>(w.load(i), g, b, h), sr);
@@ -198,8 +199,9 @@ void adam_loop(const W& weights_in, const M& m_in, const V& v_in, const VMax& v_
   const SrChunk sr = sr_in;
   typename Storage<G>::type* AK_RESTRICT buffer = grads_of<G>(c.buffer);
   const AdamStepScalars s = c.scalars;
+  const int32_t n = static_cast<int32_t>(c.n);  // <= kChunk
 #pragma omp simd
-  for (int64_t i = 0; i < c.n; ++i) {
+  for (int32_t i = 0; i < n; ++i) {
     const float g = grad_scale * Storage<G>::load(buffer[i]);
     float m = exp_avg.load(i);
     float v = exp_avg_sq.load(i);

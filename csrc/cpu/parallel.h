@@ -11,9 +11,9 @@
 #include <cstdint>
 #include <vector>
 
-namespace accumkernels::cpu {
+#include "kernels.h"
 
-constexpr int64_t kChunk = int64_t{1} << 16;
+namespace accumkernels::cpu {
 
 class FlatIndex {
  public:
