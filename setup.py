@@ -38,6 +38,13 @@ except ImportError:
     )
 
 ROOT = Path(__file__).parent.resolve()
+# -fopenmp: at::parallel_for is inline and runs serially unless the extension
+# itself is compiled with OpenMP (torch's own build uses it).
+# -ffp-contract=off: GCC fuses a + b * c into an FMA by default wherever the
+# ISA has one (the AVX2 and AVX-512 loops), which rounds once instead of twice;
+# every backend rounds twice, so every ISA gives the same bits.
+# (tests/test_native.py reads this list, to compile the CPU loops as the build does.)
+CXX_FLAGS = ["-O3", "-std=c++20", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-fvisibility=hidden"]
 CSRC = ROOT / "csrc"
 
 
@@ -80,12 +87,7 @@ def _extensions():
     import torch
     from torch.utils import cpp_extension
 
-    # -fopenmp: at::parallel_for is inline and runs serially unless the
-    # extension itself is compiled with OpenMP (torch's own build uses it).
-    # -ffp-contract=off: GCC fuses a + b * c into an FMA by default wherever the
-    # ISA has one (the AVX2 and AVX-512 loops), which rounds once instead of
-    # twice; every backend rounds twice, so every ISA gives the same bits.
-    cxx_flags = ["-O3", "-std=c++20", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-fvisibility=hidden"]
+    cxx_flags = CXX_FLAGS
     link_flags = ["-fopenmp"]
     sources = _cpu_sources()
     cuda_sources = sorted(str(p.relative_to(ROOT)) for p in (CSRC / "cuda").glob("*.cu"))

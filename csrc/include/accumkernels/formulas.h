@@ -228,14 +228,25 @@ AK_HD float nan_max(float a, float b) { return (a > b) | (a != a) ? a : b; }
 // weight, that round (and treat inf) differently: start + weight * (end - start)
 // for weight < 0.5, else end - (end - start) * (1 - weight). Written as one
 // form, (start or end) + c * (end - start) with c = weight or -(1 - weight),
-// which gives the same bits (negation is exact, and x - y is x + (-y)): a loop
-// whose weight is the same for every element then computes one product and
-// one sum, not both forms under masks (measured: 3% less arithmetic in the
-// bf16-state AdamW step on AVX-512).
-AK_HD float lerp(float start, float end, float weight) {
-  const bool from_start = weight < 0.5f;
-  const float c = from_start ? weight : -(1.0f - weight);
-  return (from_start ? start : end) + c * (end - start);
+// which gives the same bits (negation is exact, and x - y is x + (-y)), and
+// the form chosen once per call (LerpWeight, made with the hyperparameters):
+// the loops then hold no float operation under a condition. Such an operation
+// may trap, so GCC vectorizes a loop that holds one only where it can mask it
+// (AVX-512, which then computes both forms: 3% more arithmetic in the
+// bf16-state AdamW step), and not at all for AVX2.
+struct LerpWeight {
+  float c;
+  // 1 or 0, not a bool: GCC does not vectorize a loop that reads a bool
+  // member (it has no vector type for the load), AVX-512 included.
+  uint32_t from_start;
+};
+
+AK_HD LerpWeight lerp_weight(float weight) {
+  return weight < 0.5f ? LerpWeight{weight, 1u} : LerpWeight{-(1.0f - weight), 0u};
+}
+
+AK_HD float lerp(float start, float end, const LerpWeight& weight) {
+  return (weight.from_start != 0u ? start : end) + weight.c * (end - start);
 }
 
 // ---- weights --------------------------------------------------------------
@@ -421,15 +432,25 @@ AK_HD SgdHyper make_sgd_hyper(double lr, double momentum, double dampening, doub
 
 enum class Momentum : int { kNone = 0, kFirstStep = 1, kRunning = 2 };
 
+// The flags (weight decay, nesterov) choose, by bit masks, between values
+// computed either way, not whether to compute: a float operation under a
+// condition may trap, and GCC vectorizes a loop that holds one only where it
+// can mask it (AVX-512), not for AVX2; and a select (?:) of a value computed
+// for it alone lets GCC move that computation under the condition again.
+AK_HD float select_bits(bool take_first, float first, float second) {
+  const uint32_t mask = 0u - static_cast<uint32_t>(take_first);
+  return bits_float((float_bits(first) & mask) | (float_bits(second) & ~mask));
+}
+
 template <Momentum kMomentum>
 AK_HD float sgd_update(float p, float g, float& momentum_buffer, const SgdHyper& h) {
-  if (h.has_weight_decay) g = g + h.weight_decay * p;
+  g = select_bits(h.has_weight_decay, g + h.weight_decay * p, g);
   if (kMomentum != Momentum::kNone) {
     const float b = kMomentum == Momentum::kFirstStep
                         ? g
                         : h.momentum * momentum_buffer + h.one_minus_dampening * g;
     momentum_buffer = b;
-    g = h.nesterov ? g + h.momentum * b : b;
+    g = select_bits(h.nesterov, g + h.momentum * b, b);
   }
   return p - h.lr * g;
 }
@@ -445,7 +466,7 @@ struct AdamHyper {
   float eps;
   float weight_decay;
   // Derived in double and rounded once, as torch.optim computes them in Python.
-  float one_minus_beta1;
+  LerpWeight exp_avg_weight;  // lerp_weight of 1 - beta1 (that rounded from double)
   float one_minus_beta2;
   float beta2_f;
   float adamw_decay;  // 1 - lr * weight_decay
@@ -461,7 +482,7 @@ AK_HD AdamHyper make_adam_hyper(double lr, double beta1, double beta2, double ep
           beta2,
           static_cast<float>(eps),
           static_cast<float>(weight_decay),
-          static_cast<float>(1.0 - beta1),
+          lerp_weight(static_cast<float>(1.0 - beta1)),
           static_cast<float>(1.0 - beta2),
           static_cast<float>(beta2),
           static_cast<float>(1.0 - lr * weight_decay),
@@ -516,7 +537,7 @@ AK_HD float adam_update(float p, float g, float& m, float& v, float& v_max, cons
       g = g + h.weight_decay * p;
     }
   }
-  m = lerp(m, g, h.one_minus_beta1);
+  m = lerp(m, g, h.exp_avg_weight);
   v = h.beta2_f * v + h.one_minus_beta2 * (g * g);
   float v_hat = v;
   if (f.amsgrad) {
