@@ -87,7 +87,6 @@ def _extensions():
     import torch
     from torch.utils import cpp_extension
 
-    cxx_flags = CXX_FLAGS
     link_flags = ["-fopenmp"]
     sources = _cpu_sources()
     cuda_sources = sorted(str(p.relative_to(ROOT)) for p in (CSRC / "cuda").glob("*.cu"))
@@ -118,7 +117,7 @@ def _extensions():
             define_macros=[("ACCUMKERNELS_WITH_CUDA", "1")],
             extra_link_args=link_flags,
             extra_compile_args={
-                "cxx": cxx_flags,
+                "cxx": CXX_FLAGS,
                 "nvcc": ["-O3", "-std=c++20", "-lineinfo", "--fmad=false"],
             },
         )
@@ -127,7 +126,7 @@ def _extensions():
             "accumkernels._C",
             sources,
             include_dirs=[str(CSRC / "include")],
-            extra_compile_args={"cxx": cxx_flags},
+            extra_compile_args={"cxx": CXX_FLAGS},
             extra_link_args=link_flags,
         )
     if with_cuda:
