@@ -10,7 +10,10 @@ static    what the wrapper setup holds whatever the micro-batch: the params, the
           wrapper's fp32 buffers (the same layout it will build), the optimizer
           state (SGD's momentum, Adam's two moments, amsgrad's maximum, in
           each param's state dtype; step counts) and master weights (fp32
-          copies or 16-bit remainders), computed from the model and options;
+          copies or 16-bit remainders), computed from the model and options.
+          A window of one micro-batch on one process holds no buffers (the
+          gradients, in the params' dtypes, instead): where global_batch fits
+          in one micro-batch so counted, the plan is that window;
 a + c*b   what a micro-step allocates beyond that (activations, temporaries,
           gradients in flight), measured by running forward and backward at a
           few small micro-batch sizes b with the wrapper installed (CUDA: the
@@ -250,12 +253,16 @@ def plan_window(
         raise ValueError("the optimizer holds no params")
     device = params[0].device
     budget = parse_budget(memory_budget, device)
-    breakdown = static_bytes(optimizer, **wrapper_options)
-    static = sum(breakdown.values())
-    if static * (1 + MARGIN) >= budget:
+    # What a window of many micro-batches holds, and what a window of one holds (no fp32 buffers
+    # where the wrapper then keeps none: the gradients in the params' dtypes instead).
+    windowed = static_bytes(optimizer, **wrapper_options)
+    single = static_bytes(optimizer, **{**wrapper_options, "accum_steps": 1})
+    leanest = min(windowed, single, key=lambda parts: sum(parts.values()))
+    if sum(leanest.values()) * (1 + MARGIN) >= budget:
+        static = sum(leanest.values())
         raise ValueError(
             f"memory_budget {_mib(budget)} does not hold even the static part of training: "
-            + ", ".join(f"{k} {_mib(v)}" for k, v in breakdown.items())
+            + ", ".join(f"{k} {_mib(v)}" for k, v in leanest.items())
             + f" (with a {MARGIN:.0%} margin {_mib(static * (1 + MARGIN))}): "
             + f"{_mib(static * (1 + MARGIN) - budget)} short"
         )
@@ -272,13 +279,20 @@ def plan_window(
         _restore_state(model, optimizer, saved)
     a, c, residual = _fit(sizes, measured) if len(sizes) > 1 else (measured[0], 0.0, 0.0)
 
-    def peak(b: int) -> float:
+    def peak(static: int, b: int) -> float:
         return (static + a + c * b) * (1 + MARGIN)
 
-    fitting = max((b for b in range(1, global_batch + 1) if peak(b) <= budget), default=0)
+    # All of global_batch in one micro-batch where it fits beside what such a window holds; else
+    # the largest micro-batch that fits beside the fp32 buffers of a window of several.
+    if peak(sum(single.values()), global_batch) <= budget:
+        breakdown, fitting = single, global_batch
+    else:
+        breakdown = windowed
+        fitting = max((b for b in range(1, global_batch + 1) if peak(sum(windowed.values()), b) <= budget), default=0)
+    static = sum(breakdown.values())
     if fitting == 0:
         raise ValueError(
-            f"not even a micro-batch of 1 fits: predicted {_mib(peak(1))} for a {_mib(budget)} budget "
+            f"not even a micro-batch of 1 fits: predicted {_mib(peak(static, 1))} for a {_mib(budget)} budget "
             f"({_mib(static)} static, {_mib(a + c)} for one sample)"
         )
     divisor = max(d for d in range(1, fitting + 1) if global_batch % d == 0)
@@ -297,7 +311,7 @@ def plan_window(
         notes.append(
             f"the activation fit is off by up to {residual:.0%} at the sizes measured: pass sizes= closer to {b}"
         )
-    predicted = peak(b)
+    predicted = peak(static, b)
     parts = dict(breakdown)
     parts[f"activations ({b} samples)"] = int(a + c * b)
     parts["margin"] = int(predicted - static - a - c * b)

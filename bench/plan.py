@@ -99,11 +99,9 @@ def run(device: torch.device, models: list[str], global_batch: int, budgets: dic
             {max(1, plan.micro_batch_size // 4), max(1, plan.micro_batch_size // 2), plan.micro_batch_size}
         ):
             steps = -(-global_batch // micro)
-            predicted = (
-                sum(v for k, v in plan.breakdown.items() if not k.startswith(("activations", "margin")))
-                + plan.fit["a"]
-                + plan.fit["c"] * micro
-            )
+            # What a window of `steps` micro-batches holds (no fp32 buffers in a window of one).
+            static = sum(ak.plan.static_bytes(opt, accum_steps=steps).values())
+            predicted = static + plan.fit["a"] + plan.fit["c"] * micro
             cfg = dict(device=str(device), model=name, micro_batch=micro, accum_steps=steps)
             r = common.in_fresh_process("bench.plan", cfg)
             r.update(predicted_peak=predicted, chosen=micro == plan.micro_batch_size, budget=plan.budget_bytes)
