@@ -571,14 +571,17 @@ adamw_step_and_zero_ = _adam_family(
 
 
 def grad_norm(buffers: Tensors, *, backend: str | None = None) -> torch.Tensor:
-    """The global L2 norm ``sqrt(sum of x^2 over every element of every buffer)``.
+    """The global L2 norm ``sqrt(sum of x^2 over every element of every buffer)``,
+    the squares (exact) summed in float64.
 
     Returns a 0-dim fp32 tensor on the buffers' device, with no host sync.
     Deterministic: the same inputs give the same bits (fixed summation order,
     independent of the thread count). inf or NaN in any buffer gives inf/NaN.
 
     Args:
-        buffers: a non-empty list of fp32 tensors on one device.
+        buffers: a non-empty list of tensors on one device: fp32 (the
+            accumulation buffers), bf16 or fp16 (gradients held in their
+            params' dtype), mixed as they come.
     """
     op = "accumkernels.grad_norm"
     if isinstance(backend, Prepared):
@@ -588,7 +591,7 @@ def grad_norm(buffers: Tensors, *, backend: str | None = None) -> torch.Tensor:
         raise ValueError(f"{op}: buffers is empty; expected at least one tensor (the result's device comes from them)")
     device = buffers[0].device
     for i, b in enumerate(buffers):
-        checks.check_tensor(op, b, "buffers", i, device, checks.F32)
+        checks.check_tensor(op, b, "buffers", i, device, checks.GRAD_DTYPES)
     return resolve(backend, device).grad_norm(buffers=buffers)
 
 

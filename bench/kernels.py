@@ -421,6 +421,36 @@ def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
             lambda backend=backend: ak.sgd_step_and_zero_([p], [g], lr=1e-3, backend=backend),
         )
     group.time(reps, rows)
+
+    # The clipping norm: of the fp32 buffers, and of bf16 gradients held without a buffer
+    # (accum_steps=1); beside torch's way to the same float64 sum of a bf16 tensor.
+    group = Group("grad_norm", device, numel)
+    buffer = torch.randn(numel, device=device)
+    grad_bf16 = buffer.bfloat16()
+    group.add("norm_torch", "torch vector_norm(fp32 buffer)", 4, numel, lambda: torch.linalg.vector_norm(buffer))
+    group.add(
+        "norm_torch_bf16_f64",
+        "torch vector_norm(bf16 grad, dtype=float64)",
+        2,
+        numel,
+        lambda: torch.linalg.vector_norm(grad_bf16, dtype=torch.float64),
+    )
+    for backend in backends:
+        group.add(
+            f"norm[{backend}]",
+            f"grad_norm(fp32 buffer) [{backend}]",
+            4,
+            numel,
+            lambda b=backend: ak.grad_norm([buffer], backend=b),
+        )
+        group.add(
+            f"norm_bf16[{backend}]",
+            f"grad_norm(bf16 grad) [{backend}]",
+            2,
+            numel,
+            lambda b=backend: ak.grad_norm([grad_bf16], backend=b),
+        )
+    group.time(reps, rows)
     return {"rows": rows, "numel": numel, "list_numel": list_numel}
 
 

@@ -263,6 +263,8 @@ def test_found_inf_skips(backend, device):
 @pytest.mark.parametrize("backend,device", TARGETS, ids=target_ids)
 def test_grad_norm_deterministic(backend, device):
     xs = _views([1, 300001, 65536, 7, 1 << 20] + random_sizes(100), torch.float32, device)
+    xs += _views([300001] + random_sizes(40), torch.bfloat16, device)
+    xs += _views([65537] + random_sizes(40), torch.float16, device)
     first = ak.grad_norm(xs, backend=backend)
     expected = torch.cat([x.double().flatten() for x in xs]).norm().item()
     assert abs(first.item() - expected) <= 2e-7 * expected
@@ -375,6 +377,7 @@ def _opcheck_cases(device):
         ),
     )
     yield "grad_norm", (lists(),)
+    yield "grad_norm", (lists() + lists(torch.bfloat16) + lists(torch.float16),)
 
 
 @needs_gpu

@@ -1,4 +1,9 @@
-"""grad_norm: value against float64, determinism, non-finite inputs."""
+"""grad_norm: value against float64 (fp32 buffers, 16-bit gradients, both in
+one list), determinism, non-finite inputs.
+
+Bound: the squares are exact in float64 and their float64 sum is off by at
+most n * 2^-53 relative, so the result is the float64 norm rounded to fp32
+(half an fp32 ulp) plus that: within 2 fp32 epsilons of it."""
 
 from __future__ import annotations
 
@@ -29,6 +34,34 @@ def test_lists_match_float64(backend, count):
     assert abs(out - expected) <= 2 * torch.finfo(torch.float32).eps * expected
 
 
+# (dtype, scale): fp16 also at 1e-6, most of its values subnormal.
+SIXTEEN_BIT = [(torch.bfloat16, 3.0), (torch.float16, 3.0), (torch.float16, 1e-6)]
+
+
+@pytest.mark.parametrize("dtype,scale", SIXTEEN_BIT, ids=["bf16", "fp16", "fp16-subnormal"])
+@pytest.mark.parametrize("n", SIZES)
+def test_16bit_gradients_match_float64(backend, dtype, scale, n):
+    x = randn(n, dtype, offset=3, scale=scale)
+    out = ak.grad_norm([x], backend=backend)
+    assert out.dtype == torch.float32 and out.shape == () and out.device == x.device
+    expected = x.double().norm().item()
+    assert abs(out.item() - expected) <= 2 * torch.finfo(torch.float32).eps * expected
+
+
+@pytest.mark.parametrize("count", [3, 60])
+def test_mixed_dtypes_match_float64(backend, count):
+    """fp32, bf16 and fp16 tensors interleaved in one list, as the gradients of
+    a model with params of several dtypes come."""
+    kinds = [(torch.float32, 1.0), *SIXTEEN_BIT]
+    xs = []
+    for i, n in enumerate(random_sizes(count, 70000)):
+        dtype, scale = kinds[i % len(kinds)]
+        xs.append(randn(n, dtype, scale=scale))
+    expected = torch.cat([x.double().flatten() for x in xs]).norm().item()
+    out = ak.grad_norm(xs, backend=backend).item()
+    assert abs(out - expected) <= 2 * torch.finfo(torch.float32).eps * expected
+
+
 def test_strided_dense_layout(backend):
     x = torch.randn(300, 7).t()
     assert not x.is_contiguous()
@@ -36,9 +69,10 @@ def test_strided_dense_layout(backend):
     assert abs(ak.grad_norm([x], backend=backend).item() - expected) <= 2e-7 * expected
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("bad,expect", [(float("inf"), "inf"), (float("nan"), "nan")])
-def test_nonfinite(backend, bad, expect):
-    x = torch.randn(1000)
+def test_nonfinite(backend, dtype, bad, expect):
+    x = torch.randn(1000, dtype=dtype)
     x[17] = bad
     out = ak.grad_norm([torch.randn(5), x], backend=backend).item()
     assert (out == float("inf")) if expect == "inf" else (out != out)
@@ -50,6 +84,7 @@ def test_all_empty_is_zero(backend):
 
 def test_same_bits_on_repeat_and_across_thread_counts(native_only):
     xs = [torch.randn(n) for n in (1, 300001, 65536, 7, 1 << 20)]
+    xs += [torch.randn(n).bfloat16() for n in (300001, 5)] + [torch.randn(n).half() for n in (65537, 3)]
     first = ak.grad_norm(xs, backend="cpu")
     for _ in range(3):
         assert torch.equal(ak.grad_norm(xs, backend="cpu"), first)

@@ -200,6 +200,7 @@ def _opcheck_cases():
         + (0.1, 0.9, 0.0, 0.01, False, False, 1.0, None, found, True, True, 3, []),
     )
     yield "grad_norm", (lists(),)
+    yield "grad_norm", (lists() + lists(torch.bfloat16) + lists(torch.float16),)
 
 
 @pytest.mark.parametrize("op,args", list(_opcheck_cases()), ids=lambda x: x if isinstance(x, str) else "")

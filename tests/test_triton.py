@@ -48,8 +48,9 @@ def test_every_variant_compiles_for_sm90(compiled_variants):
     # accumulate: dtype x overwrite x aligned; steps: every param kind (dtype, master weights or
     # remainders, stochastic rounding) x the buffers it reads (fp32 sums; 16-bit params also their
     # own dtype's gradients: 1 + 6 * 2 = 13) x state dtype x aligned x family variant; 8-bit state:
-    # the 13 x aligned x (Adam, SGD's two momentum modes); 4 others
-    assert len(expected) == 12 + 13 * 2 * 2 * 5 + 13 * 2 * 3 + 4
+    # the 13 x aligned x (Adam, SGD's two momentum modes); grad_norm's partials: dtype x aligned;
+    # 2 others
+    assert len(expected) == 12 + 13 * 2 * 2 * 5 + 13 * 2 * 3 + 3 * 2 + 2
 
 
 def test_aligned_variants_use_16_byte_accesses(compiled_variants):

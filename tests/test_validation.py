@@ -185,7 +185,7 @@ def test_grad_norm_rejects(backend):
     with pytest.raises(ValueError, match="empty"):
         ak.grad_norm([], backend=backend)
     with pytest.raises(TypeError, match=r"buffers\[1\]"):
-        ak.grad_norm([torch.randn(3), torch.randn(3).half()], backend=backend)
+        ak.grad_norm([torch.randn(3), torch.randn(3).double()], backend=backend)
 
 
 def test_unknown_backend():

@@ -134,12 +134,12 @@ def variants():
         {},
         False,
     )
-    for aligned in BOOLS:
+    for dtype, aligned in itertools.product(DTYPES, BOOLS):
         yield (
-            f"norm-partials-aligned{aligned:d}",
+            f"norm-partials-{dtype}-aligned{aligned:d}",
             "partials",
             {**TABLE, "partials_ptr": "*fp64"},
-            dict(ALIGNED=aligned, **blocks),
+            dict(DTYPE=DTYPES[dtype], ALIGNED=aligned, **blocks),
             aligned,
         )
     yield (

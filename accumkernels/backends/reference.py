@@ -328,7 +328,7 @@ def adamw_step_and_zero_(**args):
 
 
 def grad_norm(*, buffers):
-    """sqrt(sum of x^2 over all elements), summed in the math dtype, returned as fp32."""
+    """sqrt(sum of x^2 over all elements of fp32, bf16 or fp16 buffers), summed in the math dtype, as fp32."""
     dtype = _math_dtype(buffers[0].device)
     norms = [torch.linalg.vector_norm(b.reshape(-1), dtype=dtype) for b in buffers]
     return torch.linalg.vector_norm(torch.stack(norms)).float()

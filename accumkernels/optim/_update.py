@@ -166,13 +166,7 @@ class Updater:
         views = [r.buffer_view() for r in records if r.stepped_here]
         if not views:
             return torch.zeros((), device=self.layout.device)
-        if any(v.dtype != torch.float32 for v in views):
-            # Gradients held in their params' dtypes (_intake: lean): their
-            # squares summed in float64 (exact squares; fp32 where a device
-            # lacks float64), as ops.grad_norm sums the fp32 buffers'.
-            dtype = torch.float64 if views[0].device.type in ("cpu", "cuda") else torch.float32
-            squares = sum(torch.linalg.vector_norm(v, dtype=dtype).square() for v in views)
-            return squares.sqrt().float().square()
+        # fp32 buffers, or gradients held in their params' dtypes (_intake: lean).
         norm = ops.grad_norm(views, backend=self.backend)
         return norm * norm
 

@@ -83,8 +83,9 @@ struct KernelTable {
   bool (*accumulate)(const AccumulateCall&, const AccumulateChunk&);
   void (*sgd)(const StepCall&, const SgdHyper&, Momentum, const SgdChunk&);
   void (*adam)(const StepCall&, const AdamHyper&, const AdamChunk&);
-  // Sum of squares in double, in a fixed order for a given n.
-  double (*sum_squares)(const float*, int64_t);
+  // Sum of squares in double of n values stored as the dtype (fp32, bf16,
+  // fp16; each square exact), in a fixed order for a given n.
+  double (*sum_squares)(Dtype, const void*, int64_t);
   void (*zero)(float*, int64_t);
 };
 

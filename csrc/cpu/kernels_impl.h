@@ -321,13 +321,23 @@ void adam_chunk(const StepCall& call, const AdamHyper& h, const AdamChunk& c) {
   });
 }
 
-double sum_squares(const float* AK_RESTRICT x, int64_t n) {
+template <Dtype D>
+double sum_squares_of(const typename Storage<D>::type* AK_RESTRICT x, int64_t n) {
   double sum = 0.0;
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < n; ++i) {
-    const double v = x[i];
+    const double v = Storage<D>::load(x[i]);
     sum += v * v;
   }
+  return sum;
+}
+
+double sum_squares(Dtype d, const void* x, int64_t n) {
+  double sum = 0.0;
+  with_dtype(d, [&](auto dtype) {
+    constexpr Dtype D = decltype(dtype)::value;
+    sum = sum_squares_of<D>(static_cast<const typename Storage<D>::type*>(x), n);
+  });
   return sum;
 }
 

@@ -1,5 +1,7 @@
-"""grad_norm in Triton: sqrt(sum of x^2), deterministic: one fp64 partial per
-chunk, then one program adds the partials in a fixed order."""
+"""grad_norm in Triton: sqrt(sum of x^2) over fp32, bf16 and fp16 buffers,
+deterministic: one fp64 partial per chunk (one launch per dtype, in the order
+fp32, bf16, fp16, each writing its chunks' partials after the previous
+one's), then one program adds the partials in a fixed order."""
 
 from __future__ import annotations
 
@@ -12,19 +14,28 @@ from . import _common as c
 
 
 @triton.jit(do_not_specialize=["T", "C"])
-def _partials_kernel(table, T, C, partials_ptr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+def _partials_kernel(
+    table,
+    T,
+    C,
+    partials_ptr,
+    DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     t, start, n = c.chunk_of(table, 1, T, C, CHUNK, ALIGNED)
-    x_ptr = c.pointer(table, 0, T, t, tl.float32, ALIGNED)
+    x_ptr = c.pointer(table, 0, T, t, DTYPE, ALIGNED)
     acc = tl.zeros((BLOCK,), dtype=tl.float64)
     if start + CHUNK <= n:
         for i in range(0, CHUNK, BLOCK):
             offs = start + i + tl.arange(0, BLOCK).to(tl.int64)
-            x = c.load_f32(x_ptr, offs, offs < n, tl.float32, False).to(tl.float64)
+            x = c.load_f32(x_ptr, offs, offs < n, DTYPE, False).to(tl.float64)
             acc += x * x
     else:
         for i in range(0, CHUNK, BLOCK):
             offs = start + i + tl.arange(0, BLOCK).to(tl.int64)
-            x = c.load_f32(x_ptr, offs, offs < n, tl.float32, True).to(tl.float64)
+            x = c.load_f32(x_ptr, offs, offs < n, DTYPE, True).to(tl.float64)
             acc += x * x
     tl.store(partials_ptr + tl.program_id(0), tl.sum(acc, axis=0))
 
@@ -42,17 +53,34 @@ def _finish_kernel(partials_ptr, count, out_ptr, BLOCK: tl.constexpr):
 def grad_norm(buffers: list[torch.Tensor]) -> torch.Tensor:
     """sqrt(sum of x^2 over every element of every buffer), 0-dim fp32."""
     device = buffers[0].device
-    tensors = [b for b in buffers if b.numel() > 0]
     out = torch.zeros((), dtype=torch.float32, device=device)
-    if not tensors:
+    groups = [
+        [b for b in buffers if b.dtype == dtype and b.numel() > 0]
+        for dtype in (torch.float32, torch.bfloat16, torch.float16)
+    ]
+    counts = [sum(-(-b.numel() // c.CHUNK) for b in group) for group in groups]
+    if not sum(counts):
         return out
     with c.device_guard(device):
-        table, count, chunks, aligned = c.launch_table([tensors], [b.numel() for b in tensors], device)
-        partials = torch.empty(chunks, dtype=torch.float64, device=device)
-        _partials_kernel[(chunks,)](
-            table, count, chunks, partials, ALIGNED=aligned, CHUNK=c.CHUNK, BLOCK=c.BLOCK, **c.OPTIONS
-        )
-        _finish_kernel[(1,)](partials, chunks, out, BLOCK=1024, **c.OPTIONS)
+        partials = torch.empty(sum(counts), dtype=torch.float64, device=device)
+        first = 0
+        for group, count in zip(groups, counts):
+            if not group:
+                continue
+            table, tensors, chunks, aligned = c.launch_table([group], [b.numel() for b in group], device)
+            _partials_kernel[(chunks,)](
+                table,
+                tensors,
+                chunks,
+                partials[first:],
+                DTYPE=c.TL_DTYPES[group[0].dtype],
+                ALIGNED=aligned,
+                CHUNK=c.CHUNK,
+                BLOCK=c.BLOCK,
+                **c.OPTIONS,
+            )
+            first += count
+        _finish_kernel[(1,)](partials, first, out, BLOCK=1024, **c.OPTIONS)
     return out
 
 
