@@ -58,16 +58,14 @@ def grad_norm(buffers: list[torch.Tensor]) -> torch.Tensor:
         [b for b in buffers if b.dtype == dtype and b.numel() > 0]
         for dtype in (torch.float32, torch.bfloat16, torch.float16)
     ]
-    counts = [sum(-(-b.numel() // c.CHUNK) for b in group) for group in groups]
-    if not sum(counts):
-        return out
     with c.device_guard(device):
-        partials = torch.empty(sum(counts), dtype=torch.float64, device=device)
+        launches = [(group, *c.launch_table([group], [b.numel() for b in group], device)) for group in groups if group]
+        total = sum(chunks for _, _, _, chunks, _ in launches)
+        if not total:
+            return out
+        partials = torch.empty(total, dtype=torch.float64, device=device)
         first = 0
-        for group, count in zip(groups, counts):
-            if not group:
-                continue
-            table, tensors, chunks, aligned = c.launch_table([group], [b.numel() for b in group], device)
+        for group, table, tensors, chunks, aligned in launches:
             _partials_kernel[(chunks,)](
                 table,
                 tensors,
@@ -79,8 +77,8 @@ def grad_norm(buffers: list[torch.Tensor]) -> torch.Tensor:
                 BLOCK=c.BLOCK,
                 **c.OPTIONS,
             )
-            first += count
-        _finish_kernel[(1,)](partials, first, out, BLOCK=1024, **c.OPTIONS)
+            first += chunks
+        _finish_kernel[(1,)](partials, total, out, BLOCK=1024, **c.OPTIONS)
     return out
 
 
