@@ -42,7 +42,11 @@ moment would, a non-finite gradient without a GradScaler ruins the training,
 here a block of it at once.
 
 Every computation here is fp32 arithmetic in a fixed order (the sum
-``u * 2^(3 - e) + r`` is exact), so a native kernel can reproduce it bit for bit.
+``u * 2^(3 - e) + r`` is exact from 2^emin up), so a native kernel can
+reproduce it bit for bit; the kernels (formulas.h, the Triton mirror) do so
+in exact integer forms of these formulas, which take fewer instructions:
+from 2^emin up a code is u's fp32 bits plus ``r``'s shifted to bit 4, shifted
+right by 20, less 8 * (126 + emin), and decodes by the reverse shift.
 """
 
 from __future__ import annotations

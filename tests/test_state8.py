@@ -215,6 +215,38 @@ def test_every_backend_steps_8bit_state_to_the_reference_bits(backend, adamw):
                 _assert_params_match(a, b, (name, n))
 
 
+def test_every_code_and_binade_through_the_kernels_codec_to_the_reference_bits(backend):
+    """The kernels decode and encode in exact integer forms of the
+    reference's fp32 formulas (formulas.h's encode_magnitude and
+    decode_magnitude: one form from 2^emin up, another below it): every code
+    of both moments is decoded, and new moments over every binade from 1 down
+    to under 2^emin (exp_avg_sq's 2^-30 included, and zeros) are encoded, to
+    the reference's codes and scales bit for bit. Block 0 holds every exp_avg
+    code and the exp_avg_sq codes 0..248 (all there are) at scale 1, with a
+    zero gradient (the step decodes them, scales and re-encodes); block 1
+    starts at zero and takes gradients 2^-k, k uniform in [0, 48) with random
+    signs, with 1 and the edges of exp_avg_sq's lowest binade among them."""
+    g = _generator()
+    m_codes = torch.arange(256, dtype=torch.uint8)
+    v_codes = torch.arange(256).clamp(max=248).to(torch.uint8)
+    n = 512
+    m = torch.cat([m_codes, torch.zeros(256, dtype=torch.uint8)])
+    v = torch.cat([v_codes, torch.zeros(256, dtype=torch.uint8)])
+    scales = torch.tensor([1.0, 0.0])
+    state = [((m, scales.clone()), (v, scales.clone()))]
+    grad = torch.zeros(n)
+    sign = torch.where(torch.rand(256, generator=g) < 0.5, -1.0, 1.0)
+    grad[256:] = sign * torch.exp2(-48 * torch.rand(256, generator=g))
+    # u = r / max r is g / max g for exp_avg_sq: these put r at, and an ulp either side of, 2^-30 of the max
+    grad[256:260] = torch.tensor([1.0, 2.0**-30, 2.0**-30 * (1 + 2.0**-23), 2.0**-30 * (1 - 2.0**-24)])
+    params = [torch.randn(n, generator=g)]
+    ours = _step_8bit(backend, True, params, [grad], state, steps=1)
+    ref = _step_8bit("reference", True, params, [grad], state, steps=1)
+    for k, name in enumerate(("exp_avg codes", "exp_avg_sq codes", "exp_avg scales", "exp_avg_sq scales"), start=1):
+        assert torch.equal(ours[k][0], ref[k][0]), name
+    _assert_params_match(ours[0][0], ref[0][0], "params")
+
+
 def test_a_nonfinite_gradient_ruins_its_block_alike_in_every_backend(backend):
     """A NaN gradient element makes its block's scales NaN (as torch.amax):
     every element of the block decodes to inf or NaN, in every backend (its

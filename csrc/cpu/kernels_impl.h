@@ -138,21 +138,19 @@ void sgd8_loop(const W& weights_in, const SrChunk& sr_in, const SgdChunk& c, flo
 #pragma omp simd
       for (int32_t k = 0; k < n; ++k) b_block[k] = decode_exp_avg(codes[k], scale);
     }
-    float b_max = 0.0f;
-    uint32_t b_nan = 0;
-#pragma omp simd reduction(max : b_max) reduction(| : b_nan)
+    uint32_t b_max = 0;  // of the magnitudes' bits (state8_abs_bits)
+#pragma omp simd reduction(max : b_max)
     for (int32_t k = 0; k < n; ++k) {
       const float g = grad_scale * Storage<G>::load(buffer[k]);
       float b = kMomentum == Momentum::kRunning ? b_block[k] : 0.0f;
       wb.store(k, sgd_update<kMomentum>(wb.load(k), g, b, h), srb);
-      const float b_abs = bits_float(float_bits(b) & 0x7FFFFFFFu);
+      const uint32_t b_abs = state8_abs_bits(b);
       b_block[k] = b;
       draws[k] = sr_draw<1>(srb, k);
       b_max = b_max > b_abs ? b_max : b_abs;
-      b_nan |= b != b ? 1u : 0u;
       if (kZero) buffer[k] = typename Storage<G>::type{};
     }
-    const float scale_new = state8_block_scale(b_max, b_nan);
+    const float scale_new = state8_block_scale_of_bits(b_max);
     const float divisor = state8_divisor(scale_new);
 #pragma omp simd
     for (int32_t k = 0; k < n; ++k) codes[k] = encode_exp_avg(b_block[k], divisor, draws[k]);
@@ -246,30 +244,27 @@ void adam8_loop(const W& weights_in, const SrChunk& sr_in, const AdamChunk& c, f
       m_block[k] = decode_exp_avg(m_codes[k], m_scale);
       v_block[k] = decode_exp_avg_sq(v_codes[k], v_scale);
     }
-    float m_max = 0.0f;
-    float r_max = 0.0f;
-    uint32_t m_nan = 0;
-    uint32_t r_nan = 0;
-#pragma omp simd reduction(max : m_max, r_max) reduction(| : m_nan, r_nan)
+    uint32_t m_max = 0;  // of the magnitudes' bits (state8_abs_bits)
+    uint32_t r_max = 0;
+#pragma omp simd reduction(max : m_max, r_max)
     for (int32_t k = 0; k < n; ++k) {
       const float g = grad_scale * Storage<G>::load(buffer[k]);
       float m = m_block[k];
       float v = v_block[k];
       float v_max = 0.0f;
       wb.store(k, adam_update(wb.load(k), g, m, v, v_max, h, s, flags), srb);
-      const float m_abs = bits_float(float_bits(m) & 0x7FFFFFFFu);
       const float r = __builtin_sqrtf(v);
       m_block[k] = m;
       v_block[k] = r;
       draws[k] = sr_draws_1_2(srb, k);
+      const uint32_t m_abs = state8_abs_bits(m);
+      const uint32_t r_abs = state8_abs_bits(r);
       m_max = m_max > m_abs ? m_max : m_abs;
-      r_max = r_max > r ? r_max : r;
-      m_nan |= m != m ? 1u : 0u;
-      r_nan |= r != r ? 1u : 0u;
+      r_max = r_max > r_abs ? r_max : r_abs;
       if (kZero) buffer[k] = typename Storage<G>::type{};
     }
-    const float m_scale_new = state8_block_scale(m_max, m_nan);
-    const float r_scale_new = state8_block_scale(r_max, r_nan);
+    const float m_scale_new = state8_block_scale_of_bits(m_max);
+    const float r_scale_new = state8_block_scale_of_bits(r_max);
     const float m_divisor = state8_divisor(m_scale_new);
     const float r_divisor = state8_divisor(r_scale_new);
 #pragma omp simd

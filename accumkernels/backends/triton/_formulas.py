@@ -240,28 +240,30 @@ def state8_pow2(k):
 
 
 @triton.jit
-def state8_exponent(u, emin: tl.constexpr):
-    """max(emin, floor(log2 u)) from u's fp32 bits (emin for u = 0); int32."""
-    e = ((u.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    return tl.maximum(e, emin)
-
-
-@triton.jit
 def encode_magnitude(u, emin: tl.constexpr, random):
-    """The code (int32) of u in [0, 1], r = the low 16 bits of ``random`` / 2^16;
-    u * 2^(3 - e) + r >= 0, so the conversion's truncation is the floor."""
-    e = state8_exponent(u, emin)
-    r = (random & 0xFFFF).to(tl.int32).to(tl.float32) * 0.0000152587890625  # 2^-16
-    j = (u * state8_pow2(-e + STATE8_MANTISSA_BITS) + r).to(tl.int32)  # tensor first: constexpr - tensor is no tensor
-    return 8 * (e - emin) + j
+    """The code (int32) of u in [0, 1], r = the low 16 bits of ``random`` / 2^16:
+    formulas.h's two exact forms, by u's range (u >= 2^emin: one integer
+    addition to u's bits and a shift; below: u * 2^(3 - emin) + r >= 0, whose
+    conversion's truncation is the floor)."""
+    bits = u.to(tl.int32, bitcast=True)
+    rnd = (random & 0xFFFF).to(tl.int32)
+    low_limit = (127 + emin) << 23  # 2^emin's bits
+    is_normal = bits >= low_limit
+    normal = ((bits + (rnd << 4)) >> 20) - 8 * (126 + emin)  # formulas.h's state8_bits_offset
+    u_low = tl.minimum(bits, low_limit).to(tl.float32, bitcast=True)  # larger u would scale past int32
+    r = rnd.to(tl.float32) * 0.0000152587890625  # 2^-16
+    low = (u_low * state8_pow2(bits * 0 + (STATE8_MANTISSA_BITS - emin)) + r).to(tl.int32)  # k as a tensor, to bit-cast
+    return tl.where(is_normal, normal, low)
 
 
 @triton.jit
 def decode_magnitude(code, emin: tl.constexpr):
-    """The value in [0, 1] (fp32) of an int32 code of encode_magnitude."""
-    e = tl.maximum((code >> 3) - 1, 0) + emin
-    j = code - 8 * (e - emin)
-    return j.to(tl.float32) * state8_pow2(e - STATE8_MANTISSA_BITS)
+    """The value in [0, 1] (fp32) of an int32 code of encode_magnitude: codes
+    from 8 up as fp32 bits (the encode's shift undone), codes under 8 as
+    code * 2^(emin - 3)."""
+    normal = ((code + 8 * (126 + emin)) << 20).to(tl.float32, bitcast=True)  # state8_bits_offset
+    low = code.to(tl.float32) * state8_pow2(code * 0 + (emin - STATE8_MANTISSA_BITS))  # k as a tensor
+    return tl.where(code >= 8, normal, low)
 
 
 @triton.jit
@@ -275,7 +277,8 @@ def decode_exp_avg(code, scale):
     """exp_avg's fp32 value of a uint8 code and its block's scale."""
     c = code.to(tl.int32)
     magnitude = decode_magnitude(c & 0x7F, EMIN_EXP_AVG) * scale
-    return tl.where((c & 0x80) != 0, -magnitude, magnitude)
+    # The code's sign bit moved to the fp32 sign: a negation (a NaN's sign flips too).
+    return (magnitude.to(tl.int32, bitcast=True) ^ ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -323,7 +323,8 @@ struct State {
 
 // ---- 8-bit state ------------------------------------------------------------
 // accumkernels/_state8.py states the format and why; these are its functions,
-// by the same names, in the same fp32 operations and order. A block is
+// by the same names, giving the same bits (encode_magnitude and
+// decode_magnitude in exact integer forms of its fp32 formulas). A block is
 // kState8Block consecutive elements of a state tensor in memory order, with
 // one fp32 scale; the kernels encode a block once all its new values exist.
 constexpr int64_t kState8Block = 256;
@@ -334,27 +335,48 @@ constexpr int32_t kEminExpAvgSq = -30;
 // 2^k for an int k in [-126, 127], from its bits.
 AK_HD float state8_pow2(int32_t k) { return bits_float(static_cast<uint32_t>(k + 127) << 23); }
 
-// max(emin, floor(log2 u)) from u's fp32 bits (emin for u = 0).
-AK_HD int32_t state8_exponent(float u, int32_t emin) {
-  const int32_t e = static_cast<int32_t>((float_bits(u) >> 23) & 0xFFu) - 127;
-  return e > emin ? e : emin;
-}
+// Codes from 8 up (u >= 2^emin) are fp32 values cut to 3 mantissa bits: the
+// code is u's bits >> 20 (exponent and top 3 mantissa bits) less this offset,
+// so that 2^emin, whose bits >> 20 are 8 * (127 + emin), gets code 8.
+AK_HD uint32_t state8_bits_offset(int32_t emin) { return static_cast<uint32_t>(8 * (126 + emin)); }
 
-// The code of u in [0, 1]: r = random / 2^16 (the low 16 bits of `random`).
-// u * 2^(3 - e) + r >= 0, so the conversion's truncation is the floor.
+// The code of u in [0, 1]: r = random / 2^16 (the low 16 bits of `random`),
+// j = floor(u * 2^(3 - e) + r), code = 8 * (e - emin) + j, e = max(emin,
+// floor(log2 u)). Computed in two exact ways, by u's range, with the bits of
+// that formula (the tests hold it to _state8.encode_magnitude bit for bit):
+// - u >= 2^emin: u * 2^(3 - e) = 8 + m / 2^20 (m: u's 23 mantissa bits) and
+//   r = (random << 4) / 2^20, so j = 8 + (m + (random << 4)) >> 20: one
+//   integer addition to u's bits, whose carry runs into the exponent exactly
+//   as j = 16 moves to the next binade's 8, and one shift;
+// - u < 2^emin (e = emin, code = j < 8 but for a carry to 8): the fp32 sum as
+//   written, u * 2^(3 - emin) + r >= 0, whose conversion truncates (the floor).
+// Why not the one fp32 formula for both: its exponent, 2^(3 - e) and
+// 8 * (e - emin) + j cost twice the instructions, and this encode runs twice
+// an element in the 8-bit steps, which are bound by their arithmetic on a CPU.
 AK_HD uint32_t encode_magnitude(float u, int32_t emin, uint32_t random) {
-  const int32_t e = state8_exponent(u, emin);
+  const uint32_t bits = float_bits(u);
+  const uint32_t low_limit = static_cast<uint32_t>(127 + emin) << 23;  // 2^emin's bits
+  // A mask, not ?:, as in the conversions: GCC makes the select a branch and leaves the loop scalar.
+  const uint32_t normal_mask = 0u - static_cast<uint32_t>(bits >= low_limit);
+  const uint32_t normal = ((bits + ((random & 0xFFFFu) << 4)) >> 20) - state8_bits_offset(emin);
+  // The second form from u < 2^emin only (2^emin in place of larger u, which
+  // would scale past the int32 range, whose conversion is undefined). An
+  // integer min of the bits: with the mask GCC computes the masked u's
+  // division twice (AVX-512), with a float select it leaves the loop scalar (AVX2).
+  const float u_low = bits_float(bits < low_limit ? bits : low_limit);
   const float r = static_cast<float>(static_cast<int32_t>(random & 0xFFFFu)) * 0x1.0p-16f;
-  const int32_t j = static_cast<int32_t>(u * state8_pow2(kState8MantissaBits - e) + r);
-  return static_cast<uint32_t>(8 * (e - emin) + j);
+  const uint32_t low = static_cast<uint32_t>(static_cast<int32_t>(u_low * state8_pow2(kState8MantissaBits - emin) + r));
+  return (normal_mask & normal) | (~normal_mask & low);
 }
 
-// The value in [0, 1] of a code of encode_magnitude.
+// The value in [0, 1] of a code of encode_magnitude: j * 2^(e - 3), exactly,
+// from the same two ranges: codes from 8 up are fp32 bits (the encode's
+// shift undone), codes under 8 are j * 2^(emin - 3).
 AK_HD float decode_magnitude(uint32_t code, int32_t emin) {
-  const int32_t binade = static_cast<int32_t>(code >> 3) - 1;
-  const int32_t e = emin + (binade > 0 ? binade : 0);
-  const int32_t j = static_cast<int32_t>(code) - 8 * (e - emin);
-  return static_cast<float>(j) * state8_pow2(e - kState8MantissaBits);
+  const float normal = bits_float((code + state8_bits_offset(emin)) << 20);
+  const float low = static_cast<float>(static_cast<int32_t>(code)) * state8_pow2(emin - kState8MantissaBits);
+  const uint32_t normal_mask = 0u - static_cast<uint32_t>(code >= 8u);
+  return bits_float((normal_mask & float_bits(normal)) | (~normal_mask & float_bits(low)));
 }
 
 // A block's new scale: the maximum of its stored magnitudes (|m|, r), or NaN
@@ -362,20 +384,37 @@ AK_HD float decode_magnitude(uint32_t code, int32_t emin) {
 // alone may drop a NaN, and the block would decode to finite values.
 AK_HD float state8_block_scale(float max, uint32_t nan) { return nan != 0 ? bits_float(0x7FC00000u) : max; }
 
+// The same from the largest magnitude's bits, for a loop that takes the
+// block's maximum as integers (state8_abs_bits): a non-negative float's bits
+// order as its values do, and every NaN's magnitude bits lie above inf's, so
+// one integer max finds both the maximum and any NaN.
+AK_HD uint32_t state8_abs_bits(float x) { return float_bits(x) & 0x7FFFFFFFu; }
+
+AK_HD float state8_block_scale_of_bits(uint32_t max_bits) {
+  return state8_block_scale(bits_float(max_bits), max_bits > 0x7F800000u ? 1u : 0u);
+}
+
 // A block's scale (max |m| of exp_avg, max sqrt(v) of exp_avg_sq) as the
 // divisor of its encode: 1 for an all-zero block.
 AK_HD float state8_divisor(float scale) { return scale > 0.0f ? scale : 1.0f; }
 
+// A code as its byte. Codes are at most 248, but GCC cannot see that through the
+// masks of encode_magnitude: with a plain cast it narrows every operand of
+// their select to bytes before selecting (three narrowings of 16 lanes for
+// one), where this saturating min leaves one narrowing of the result.
+AK_HD uint8_t state8_byte(uint32_t code) { return static_cast<uint8_t>(code < 255u ? code : 255u); }
+
 // exp_avg (and SGD's momentum buffer, stored alike): signed.
 AK_HD float decode_exp_avg(uint8_t code, float scale) {
   const float magnitude = decode_magnitude(code & 0x7Fu, kEminExpAvg) * scale;
-  return (code & 0x80u) != 0 ? -magnitude : magnitude;
+  // The code's sign bit moved to the fp32 sign: a negation (a NaN's sign flips too).
+  return bits_float(float_bits(magnitude) ^ (static_cast<uint32_t>(code & 0x80u) << 24));
 }
 
 AK_HD uint8_t encode_exp_avg(float m, float divisor, uint32_t random) {
   const float magnitude = bits_float(float_bits(m) & 0x7FFFFFFFu);
   const uint32_t sign = m < 0.0f ? 0x80u : 0u;
-  return static_cast<uint8_t>(encode_magnitude(magnitude / divisor, kEminExpAvg, random) | sign);
+  return state8_byte(encode_magnitude(magnitude / divisor, kEminExpAvg, random) | sign);
 }
 
 // exp_avg_sq is stored as r = sqrt(v): the kernels take r's block max.
@@ -385,7 +424,7 @@ AK_HD float decode_exp_avg_sq(uint8_t code, float scale) {
 }
 
 AK_HD uint8_t encode_exp_avg_sq(float r, float divisor, uint32_t random) {
-  return static_cast<uint8_t>(encode_magnitude(r / divisor, kEminExpAvgSq, random));
+  return state8_byte(encode_magnitude(r / divisor, kEminExpAvgSq, random));
 }
 
 // ---- per-step scalars -----------------------------------------------------
