@@ -332,3 +332,42 @@ def test_step_hooks_run_around_every_step_call():
         p.sum().backward()
         opt.step()
     assert calls == ["pre"] * 4 and updates == [False, True, False, True]
+
+
+def test_step_hooks_global_ones_and_profiler_range_as_torchs():
+    """The wrapper opens step()'s profiler range itself (a cheaper guard than
+    torch's, accumkernels.optim.wrapper.profile_hook_step): the order of global
+    and own hooks, a pre-hook's new (args, kwargs), a pre-hook's bad return and
+    the range's name in a torch.profiler trace are torch's."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    def run(make):
+        p = torch.zeros(3, requires_grad=True)
+        opt, order = make([p]), []
+        handles = [
+            register_optimizer_step_pre_hook(lambda o, a, k: order.append("global pre")),
+            register_optimizer_step_post_hook(lambda o, a, k: order.append("global post")),
+        ]
+        opt.register_step_pre_hook(lambda o, a, k: order.append("pre"))
+        opt.register_step_post_hook(lambda o, a, k: order.append(("post", k["closure"]() if k else None)))
+        opt.register_step_pre_hook(lambda o, a, k: (a, {"closure": lambda: 7.0}))  # a closure given by a hook
+        try:
+            p.sum().backward()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                loss = opt.step()
+        finally:
+            for h in handles:
+                h.remove()
+        seen = list(order)
+        opt.register_step_pre_hook(lambda o, a, k: "not a tuple")
+        p.sum().backward()
+        with pytest.raises(RuntimeError, match="must return None or a tuple of \\(new_args, new_kwargs\\)"):
+            opt.step()
+        names = {e.name for e in prof.events() if e.name.startswith("Optimizer.step#")}
+        return loss, seen, names
+
+    loss, order, names = run(lambda ps: ak.SGD(ps, lr=0.1))
+    want_loss, want_order, want_names = run(lambda ps: torch.optim.SGD(ps, lr=0.1))
+    assert loss == want_loss == 7.0
+    assert order == want_order == ["global pre", "pre", ("post", 7.0), "global post"]
+    assert names == {"Optimizer.step#SGD.step"} and want_names == {"Optimizer.step#SGD.step"}

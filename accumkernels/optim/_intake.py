@@ -465,22 +465,21 @@ class HookIntake(Intake):
         (``model.zero_grad()`` before step()), which in plain PyTorch discards
         the gradient: its sum here is already folded, so that is refused. A
         gradient assigned to ``.grad`` by other code is taken in."""
-        for r in self.layout:
-            if r.local_of is not None:
-                continue
-            grad = r.param.grad
-            marker = self._markers.get(r.index, (None, None))[1]
-            if grad is marker or grad is None and r.index not in self.arrivals:
+        # Only hooked plain params hold a marker (FSDP2's get their shard from
+        # FSDP2; a param without a hook has received nothing to fold).
+        for index, (param, marker) in self._markers.items():
+            grad = param.grad
+            if grad is marker or grad is None and index not in self.arrivals:
                 continue
             if grad is None:
                 raise RuntimeError(
-                    f"param {r.index}'s .grad was set to None between its backward and step() (e.g. "
+                    f"param {index}'s .grad was set to None between its backward and step() (e.g. "
                     "model.zero_grad() before opt.step()): in plain PyTorch that discards the gradient, but "
                     "intake='hooks' has folded it into the window already. Call zero_grad() after step() (or before "
                     "the backward), or use intake='grad'"
                 )
-            if r.index in self._markers and r.param.requires_grad:
-                self._take_late(r)
+            if param.requires_grad:
+                self._take_late(self.layout.records[index])
 
     @torch.no_grad()
     def _fold(self, bucket: Bucket) -> None:
