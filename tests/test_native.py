@@ -495,3 +495,64 @@ def _more_than_2_31_elements(n: int) -> None:
     assert params[0][-1].item() == -2.0 * 48.0
     assert params[0][2**31].item() == -4.5
     assert buffer[-1].item() == 0.0 and buffer[2**31].item() == 0.0
+
+
+THREADS_CHECK = textwrap.dedent(
+    """
+    import sys, torch, accumkernels as ak
+    from accumkernels import _state8 as s8
+    torch.set_num_threads(int(sys.argv[1]))
+    torch.manual_seed(int(sys.argv[2]))
+    # Sizes across FlatIndex's pieces, chunks and grains (parallel.h): lists
+    # that stay on one thread and lists shared in runs ending mid-chunk and
+    # mid-piece, tensors from 1 element to 2^18 + 4099, with 8-bit blocks.
+    sizes = [(1, 4099, 65537), (300001, 7, 65536, 12289), ((1 << 18) + 4099, 3, 131073)]
+    out, flags = [], []
+    for numels in sizes:
+        grads = [torch.randn(n).bfloat16() for n in numels]
+        grads[1][-1] = float("inf") if numels[0] == 300001 else 1.0  # the flag of one list only
+        buffers, found = [torch.empty(n) for n in numels], torch.zeros(1)
+        ak.accumulate_(buffers, grads, 0.5, overwrite=True, found_inf=found, backend="cpu")
+        ak.accumulate_(buffers, [g.float() for g in grads], 0.25, backend="cpu")
+        out += buffers
+        flags.append(found.item())
+        finite = [b.nan_to_num(posinf=0.0) for b in buffers]
+        for state in (torch.bfloat16, "8bit"):
+            params = [torch.randn(n).bfloat16() for n in numels]
+            if state == "8bit":
+                moments = [[torch.zeros(n, dtype=torch.uint8) for n in numels] for _ in range(2)]
+                scales = [[torch.zeros(s8.scales_numel(n)) for n in numels] for _ in range(2)]
+            else:
+                moments, scales = [[torch.zeros(n, dtype=state) for n in numels] for _ in range(2)], [None, None]
+            steps = [torch.zeros(()) for _ in numels]
+            for seed in (3, 4):
+                ak.adamw_step_and_zero_(params, [f.clone() for f in finite], *moments, steps,
+                                        exp_avg_scales=scales[0], exp_avg_sq_scales=scales[1], lr=0.01,
+                                        weight_decay=0.1, stochastic_rounding=True, seed=seed, backend="cpu")
+            momentum = [torch.zeros(n, dtype=torch.bfloat16) for n in numels]
+            ak.sgd_step_and_zero_(params, [f.clone() for f in finite], momentum, lr=0.1, momentum=0.9,
+                                  stochastic_rounding=True, seed=5, backend="cpu")
+            out += params + moments[0] + moments[1] + momentum + (scales[0] + scales[1] if state == "8bit" else [])
+    torch.save((flags, out), sys.argv[3])
+    """
+)
+
+
+def test_elementwise_ops_same_bits_at_any_thread_count(native_only, tmp_path):
+    """accumulate_ (overwrite, add, the inf flag) and the AdamW (bf16 and
+    8-bit state, stochastic rounding) and SGD steps split their lists over
+    threads by elements (FlatIndex::parallel_for_elements): 1, 2 and 3 threads
+    give the same bits, on lists that stay on one thread and lists that are
+    shared. (Under pytest-xdist a worker runs one thread, so a subprocess.)"""
+    seed = str(int(torch.randint(0, 2**31, ())))
+    runs = []
+    for threads in (1, 2, 3):
+        path = tmp_path / f"out{threads}.pt"
+        done = subprocess.run(
+            [sys.executable, "-c", THREADS_CHECK, str(threads), seed, str(path)], capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(torch.load(path))
+    for flags, tensors in runs:
+        assert flags == [0.0, 1.0, 0.0]
+        assert all(torch.equal(a, b) for a, b in zip(runs[0][1], tensors, strict=True))

@@ -21,7 +21,7 @@ void run_accumulate(const AccumulateArgs& a) {
     const AccumulateCall call{g.dtype, a.overwrite, scale};
     const int64_t element = g.dtype == Dtype::kFloat32 ? 4 : 2;
     const FlatIndex index(g.numels);
-    index.parallel_for_chunks([&](int64_t, int64_t begin, int64_t end) {
+    index.parallel_for_elements(kFoldGrain, [&](int64_t begin, int64_t end) {
       bool chunk_nonfinite = false;
       index.for_each_segment(begin, end, [&](size_t t, int64_t offset, int64_t length) {
         chunk_nonfinite |= k.accumulate(

@@ -56,18 +56,19 @@ inline void* state_at(const std::vector<void*>& ptrs, size_t t, int64_t offset, 
   return ptrs[t] == nullptr ? nullptr : static_cast<char*>(ptrs[t]) + offset * element;
 }
 
-// Runs f(tensor in group, offset, length) over every chunk of the group, in
-// parallel. A piece never crosses a multiple of 2^32 elements of its tensor, so
-// that its element indices share their high 32 bits (formulas.h's SrChunk).
-// With `align` (a divisor of kChunk) every piece starts at a multiple of it in
-// its tensor: the flat index counts each tensor rounded up to a multiple of
-// `align`, so the chunk boundaries fall on multiples of it in every tensor.
+// Runs f(tensor in group, offset, length) over pieces of at most kChunk
+// elements of the group, in parallel (FlatIndex::parallel_for_elements). A
+// piece never crosses a multiple of 2^32 elements of its tensor, so that its
+// element indices share their high 32 bits (formulas.h's SrChunk). With
+// `align` (a divisor of FlatIndex::kSplit) every piece starts at a multiple of
+// it in its tensor: the flat index counts each tensor rounded up to a multiple
+// of `align`, so the pieces' boundaries fall on multiples of it in every tensor.
 template <typename F>
 void for_each_chunk(const DtypeGroup& g, F&& f, int64_t align = 1) {
   std::vector<int64_t> padded(g.numels);
   for (int64_t& n : padded) n = (n + align - 1) / align * align;
   const FlatIndex index(padded);
-  index.parallel_for_chunks([&](int64_t, int64_t begin, int64_t end) {
+  index.parallel_for_elements(kStepGrain, [&](int64_t begin, int64_t end) {
     index.for_each_segment(begin, end, [&](size_t t, int64_t offset, int64_t padded_length) {
       const int64_t length = std::min(padded_length, g.numels[t] - offset);  // not into the padding
       if (length <= 0) return;
