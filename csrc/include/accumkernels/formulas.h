@@ -413,7 +413,7 @@ AK_HD float decode_exp_avg(uint8_t code, float scale) {
 }
 
 AK_HD uint8_t encode_exp_avg(float m, float divisor, uint32_t random) {
-  const float magnitude = bits_float(float_bits(m) & 0x7FFFFFFFu);
+  const float magnitude = bits_float(state8_abs_bits(m));
   const uint32_t sign = m < 0.0f ? 0x80u : 0u;
   return state8_byte(encode_magnitude(magnitude / divisor, kEminExpAvg, random) | sign);
 }
