@@ -2,7 +2,8 @@
 # machine: they create .venv, install torch and the build tools, build the
 # extension in place (pip install --no-build-isolation -e .) and run.
 #
-#   make test                 # the test suite but its slow tests (CI runs this, then make test-slow and sweep)
+#   make test                 # the test suite but its slow tests (CI runs this, then make test-slow,
+#                             # test-python-hooks and sweep)
 #   make lint                 # ruff: lint and format check (CI runs it first)
 #   make bench                # the benchmark suite on the best device present
 #
@@ -23,7 +24,7 @@ PY     := $(VENV)/bin/python
 RUFF   ?= ruff==0.17.6
 NATIVE_SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
 
-.PHONY: test test-slow sweep lint format bench build clean gpu-deps
+.PHONY: test test-slow test-python-hooks sweep lint format bench build clean gpu-deps
 
 $(VENV)/.deps:
 	@echo "== setting up $(VENV): $(TORCH) (a CUDA build is ~5.5 GB), ninja, pytest, pytest-xdist, numpy, matplotlib; 1-3 minutes"
@@ -73,6 +74,13 @@ format: $(VENV)/.deps
 
 test-slow: build
 	$(PYTEST) -m slow
+
+# The "hooks" intake's tests once more with its Python pre-hooks only (as
+# without the extension) instead of the native inbox (tests/conftest.py).
+PYTHON_HOOK_TESTS := tests/test_optimizer.py tests/test_contract.py tests/test_lean_window.py tests/test_amp.py \
+	tests/test_pipeline.py tests/test_conformance.py
+test-python-hooks: build
+	ACCUMKERNELS_PYTHON_HOOKS=1 $(PYTEST) -m "not slow" $(PYTHON_HOOK_TESTS)
 
 # The numeric tests at $(SEEDS) fresh seeds (reference and CPU backends): every bound must hold at every seed.
 sweep: build

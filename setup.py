@@ -53,7 +53,7 @@ def _truthy(name: str) -> bool:
 
 
 def _cpu_sources() -> list[str]:
-    sources = [CSRC / "ops.cpp", CSRC / "module.cpp", *sorted((CSRC / "cpu").glob("*.cpp"))]
+    sources = [CSRC / "ops.cpp", CSRC / "module.cpp", CSRC / "grad_inbox.cpp", *sorted((CSRC / "cpu").glob("*.cpp"))]
     if platform.machine().lower() not in {"x86_64", "amd64"}:
         # The ISA variants are x86-64 only; elsewhere the default loops serve.
         sources = [s for s in sources if s.name not in {"kernels_avx2.cpp", "kernels_avx512.cpp"}]

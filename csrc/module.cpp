@@ -7,6 +7,10 @@
 
 #include "cpu/kernels.h"
 
+namespace accumkernels {
+PyMethodDef* grad_inbox_methods();  // grad_inbox.cpp: the "hooks" intake's native gradient inbox
+}  // namespace accumkernels
+
 namespace {
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C",
@@ -24,7 +28,8 @@ PyMODINIT_FUNC PyInit__C(void) {
   const long with_cuda = 0;
 #endif
   try {
-    if (PyModule_AddIntConstant(m, "with_cuda", with_cuda) < 0 ||
+    if (PyModule_AddFunctions(m, accumkernels::grad_inbox_methods()) < 0 ||
+        PyModule_AddIntConstant(m, "with_cuda", with_cuda) < 0 ||
         PyModule_AddStringConstant(m, "cpu_isa", accumkernels::cpu::kernels().isa) < 0) {
       Py_DECREF(m);
       return nullptr;

@@ -50,6 +50,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # One intra-op thread per worker: make test runs one worker per core.
     torch.set_num_threads(1)
 
+# ACCUMKERNELS_PYTHON_HOOKS=1: intake "hooks" takes every gradient through
+# its Python pre-hooks, as without the extension, instead of the native inbox
+# (csrc/grad_inbox.cpp); make test-python-hooks runs the intake's tests so.
+if os.environ.get("ACCUMKERNELS_PYTHON_HOOKS", "") not in ("", "0"):
+    from accumkernels.optim import _intake  # noqa: E402
+
+    _intake.NATIVE_INBOX = False
+
 # The backends that run on CPU tensors. The native one is required unless the
 # build was skipped on purpose: a broken build must fail the tests, not skip them.
 NATIVE_SKIPPED = os.environ.get("ACCUMKERNELS_SKIP_NATIVE", "") not in ("", "0")

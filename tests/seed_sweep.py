@@ -34,6 +34,7 @@ NUMERIC_MODULES = [
     "tests/test_grad_norm.py",
     "tests/test_optimizer.py",
     "tests/test_lean_window.py",
+    "tests/test_grad_inbox.py",
     "tests/test_optimizers.py",
     "tests/test_conformance.py",
     "tests/test_contract.py",

@@ -6,6 +6,9 @@ param's own tensor hooks and before autograd would add it into ``.grad``; not
 run in ``torch.autograd.grad()``, which accumulates nothing;
 FSDP2: a post-accumulate-grad hook, once FSDP2 handed the reduced shard over);
 and returns no gradient, so autograd adds nothing into ``.grad``;
+where the extension is built the hook is native (csrc/grad_inbox.cpp: the
+common gradient is queued without Python, and Python sees a bucket at a time;
+every other gradient goes to the Python hook, ``_arrive``);
 when a bucket's gradients are all there, one ``accumulate_`` call folds them
 into the buffers (cast, loss-scale and inf check in the same pass; a param's
 first gradient of a window overwrites its buffer, so nothing is ever zeroed).
@@ -51,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .. import ops
+from .. import _native, ops
 from .._validation import GRAD_DTYPES
 from . import _amp
 from ._folded import FoldedGrad
@@ -60,6 +63,11 @@ from ._sync import Sync
 from ._window import Window
 
 INTAKES = ("hooks", "grad")
+
+# Intake "hooks" queues gradients through the native inbox (csrc/grad_inbox.cpp)
+# where the extension is built; False: through its Python pre-hooks only (as
+# without the extension; the tests run both).
+NATIVE_INBOX = True
 
 
 def default_intake(intake: str | None, accum_steps: int | None) -> str:
@@ -77,6 +85,27 @@ def _call_weak(ref, index, arg) -> None:
     intake = ref()
     if intake is not None:
         intake._on_grad(index, arg)
+
+
+def _deliver_weak(ref, bucket, taken) -> None:
+    """The native inbox's call when a bucket's gradients are all queued (``taken``: [(index, grad)])."""
+    intake = ref()
+    if intake is not None:
+        intake._deliver(bucket, taken)
+
+
+class _InboxHandle:
+    """What removing a native inbox hook means: the hook passes the param's
+    gradients through from then on (autograd's hooks cannot be taken off a
+    node from C++), so the param trains on as plain PyTorch."""
+
+    __slots__ = ("inbox", "index")
+
+    def __init__(self, inbox, index: int) -> None:
+        self.inbox, self.index = inbox, index
+
+    def remove(self) -> None:
+        _native._C.inbox_release(self.inbox, self.index)
 
 
 def _take_and_drop(ref, index, grads):
@@ -183,6 +212,7 @@ class Intake:
         during backward.)"""
         if self._unhooked and any(r.param.requires_grad for r in self._unhooked):
             self.layout.refresh_expected()
+            self._expected_changed()
             for r in self._hook_trainable():
                 if r.param.grad is not None:
                     self._take_late(r)
@@ -191,6 +221,9 @@ class Intake:
         """A step() call took this micro-step's gradients: count afresh."""
         self.arrivals.clear()
         self.repeated = (0, -1)
+
+    def _expected_changed(self) -> None:
+        """The layout's buckets expect other counts of gradients (params unfrozen)."""
 
     def backwards_since_step(self) -> tuple[int, int]:
         """(the most gradients any param got since the last step(), that param's
@@ -336,6 +369,13 @@ class HookIntake(Intake):
     def __init__(self, *args, **kwargs) -> None:
         self._pending: dict[int, list[tuple[ParamRecord, torch.Tensor]]] = {}  # bucket -> (record, gradient)
         self._accumulators: dict[int, object] = {}  # param index -> its AccumulateGrad node
+        # The native inbox (csrc/grad_inbox.cpp), made at the first hook: a C++
+        # pre-hook per param queues the common gradient without Python (see
+        # _arrive for what "common" is) and hands over a bucket at a time
+        # (_deliver); every other gradient comes to _arrive. Not with FSDP2
+        # params, whose shards arrive by post-accumulate-grad hooks.
+        self._inbox = None
+        self._native_inbox = NATIVE_INBOX and _native.is_loaded() and all(r.local_of is None for r in args[0])
         super().__init__(*args, **kwargs)
         self._reduces = self.sync.reduces_buffers  # tell the sync of each bucket of the window's last micro-step
         # Lean (a layout without a flat buffer: accum_steps=1, one process): a
@@ -347,6 +387,7 @@ class HookIntake(Intake):
         self.lean = self.layout.flat is None
         self._held_unscale = 1.0
         self._one = torch.ones(1, device=self.layout.device)
+        self._start_inbox()
 
     def _register(self, r: ParamRecord):
         if r.local_of is not None:  # FSDP2 assigns the reduced shard to .grad and runs these hooks itself
@@ -361,13 +402,71 @@ class HookIntake(Intake):
         with torch.enable_grad():  # (step() runs under no_grad, and unfrozen params are hooked there)
             node = r.param.view_as(r.param).grad_fn.next_functions[0][0]
         self._accumulators[r.index] = node
-        return node.register_prehook(functools.partial(_take_and_drop, self._ref, r.index))
+        slow = functools.partial(_take_and_drop, self._ref, r.index)
+        if not self._native_inbox:
+            return node.register_prehook(slow)
+        if self._inbox is None:
+            self._inbox = _native._C.inbox_new(
+                functools.partial(_deliver_weak, self._ref), [b.expected for b in self.layout.buckets], len(self.layout)
+            )
+        _native._C.inbox_hook(
+            self._inbox, r.index, r.bucket.index, r.param, r.marker, r.contiguous, r.buffer_stride, slow
+        )
+        return _InboxHandle(self._inbox, r.index)
+
+    def _start_inbox(self) -> None:
+        """A micro-step starts: the inbox may queue, unless every gradient must
+        be seen by Python (torch.distributed watched for, or a sync told of
+        each bucket as it completes)."""
+        if self._inbox is not None:
+            _native._C.inbox_start(self._inbox, not (self._watch_late_init or self._reduces))
+
+    def start_micro_step(self) -> None:
+        super().start_micro_step()
+        self._start_inbox()
+
+    def _expected_changed(self) -> None:
+        if self._inbox is not None:
+            _native._C.inbox_expect(self._inbox, [b.expected for b in self.layout.buckets])
+
+    def _deliver(self, bucket: int, taken: list[tuple[int, torch.Tensor]]) -> None:
+        """The inbox queued all of ``bucket``'s gradients (``taken``: [(index,
+        grad)], each a param's first of the micro-step, checked there as
+        _arrive checks): fold them."""
+        arrivals, records = self.arrivals, self.layout.records
+        pending = self._pending.setdefault(bucket, [])
+        for index, grad in taken:
+            arrivals[index] = 1
+            pending.append((records[index], grad))
+        self.window.grads_since_step = True
+        self._fold(self.layout.buckets[bucket])
+
+    def _drain(self) -> None:
+        """Take over what the inbox queued for buckets not yet complete, before
+        anything here reads the micro-step's gradients or counts."""
+        if self._inbox is None:
+            return
+        moved = _native._C.inbox_drain(self._inbox)
+        if not moved:
+            return
+        records = self.layout.records
+        for bucket, taken in moved:
+            for index, _ in taken:
+                self.arrivals[index] = 1
+            self._pending[bucket] = [(records[i], g) for i, g in taken] + self._pending.get(bucket, [])
+        self.window.grads_since_step = True
 
     def _arrive(self, index: int, grad: torch.Tensor) -> None:
         """A hooked (plain) param's gradient, from its accumulator's pre-hook:
         ``_on_grad`` and ``_take`` written out in one function, which runs for
-        every param at every micro-step. A gradient the common case does not
-        describe goes to ``_check_arriving``, which names what is wrong."""
+        every param at every micro-step (or, with the native inbox, only for
+        the gradients it does not queue itself: a param's second of the
+        micro-step, a .grad that is not the marker, a gradient laid out unlike
+        its buffer, a param no longer as wrapped, and all while
+        torch.distributed is watched for or a sync is told of each bucket). A
+        gradient the common case does not describe goes to
+        ``_check_arriving``, which names what is wrong."""
+        self._drain()
         if self._watch_late_init:
             self._refuse_late_init()
         r = self.layout.records[index]
@@ -455,6 +554,7 @@ class HookIntake(Intake):
     def flush(self) -> None:
         """Fold the gradients still waiting in incomplete buckets (params that
         got no gradient this micro-step leave their bucket incomplete)."""
+        self._drain()
         for bucket in self.layout.buckets:
             if self._pending.get(bucket.index):
                 self._fold(bucket)
@@ -467,7 +567,11 @@ class HookIntake(Intake):
         gradient assigned to ``.grad`` by other code is taken in."""
         # Only hooked plain params hold a marker (FSDP2's get their shard from
         # FSDP2; a param without a hook has received nothing to fold).
-        for index, (param, marker) in self._markers.items():
+        self._drain()
+        markers = self._markers
+        if self._inbox is not None:  # it knows which .grad is not its marker: the only ones to look at
+            markers = {i: markers[i] for i in _native._C.inbox_stray(self._inbox)}
+        for index, (param, marker) in markers.items():
             grad = param.grad
             if grad is marker or grad is None and index not in self.arrivals:
                 continue
@@ -585,6 +689,7 @@ class HookIntake(Intake):
         folds what is waiting, the window goes on. Between a backward and its
         step() it is refused: plain PyTorch would discard that gradient, which
         this intake has folded already."""
+        self._drain()
         if self.window.grads_since_step:
             raise RuntimeError(
                 "zero_grad() between a backward and step(): in plain PyTorch that discards the gradient, but "

@@ -1,0 +1,255 @@
+"""The native gradient inbox of intake "hooks" (csrc/grad_inbox.cpp).
+
+A C++ pre-hook per param queues the common gradient without Python and hands a
+bucket over when it is complete; every other gradient goes to the Python
+pre-hook. What a run computes or refuses must not depend on which one took a
+gradient: each scenario runs twice, through the inbox and through the Python
+hooks only (``_intake.NATIVE_INBOX = False``, as without the extension), and
+the params (bit for bit), the errors and what ``.grad`` holds are compared.
+The windows after the first are the inbox's (the first watches for a late
+``init_process_group``, which needs Python at every gradient).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import accumkernels as ak
+from accumkernels import _native
+from accumkernels.optim import _intake
+
+pytestmark = pytest.mark.skipif(not _native.is_loaded(), reason="the native extension is not built")
+
+N = 2  # micro-steps per window
+
+
+@pytest.fixture
+def seed():
+    """Both runs of a comparison start from the same weights and batches, drawn
+    from the test's seed (tests/conftest.py; the seed sweep varies it)."""
+    return int(torch.randint(0, 2**31, ()))
+
+
+class _TransposedGrad(torch.autograd.Function):
+    """The identity, whose backward hands the gradient over in transposed
+    layout (same values), as some ops' backwards do."""
+
+    @staticmethod
+    def forward(ctx, w):
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.t().contiguous().t()
+
+
+class _Net(nn.Module):
+    """Three params of three shapes; with ``transposed``, ``w``'s gradient
+    arrives laid out unlike its (contiguous) buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(13, 24)
+        self.w = nn.Parameter(torch.randn(24, 7) * 0.2)
+        self.scale = nn.Parameter(torch.ones(7))
+
+    def forward(self, x, transposed=False):
+        h = torch.tanh(self.first(x)) @ (_TransposedGrad.apply(self.w) if transposed else self.w)
+        return (h * self.scale).square().mean()
+
+
+def _batches(seed: int, count: int):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(5, 13, generator=g).bfloat16() for _ in range(count)]
+
+
+def _build(native: bool, monkeypatch, seed: int, **options):
+    monkeypatch.setattr(_intake, "NATIVE_INBOX", native)
+    torch.manual_seed(seed)
+    model = _Net().bfloat16()
+    opt = ak.AccumulatingOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), accum_steps=N, intake="hooks", **options
+    )
+    assert (opt._intake._inbox is not None) is native
+    return model, opt
+
+
+def _both(scenario, monkeypatch, seed, **options):
+    """The scenario's (params, outcome) through the inbox and through the Python hooks."""
+    results = []
+    for native in (True, False):
+        model, opt = _build(native, monkeypatch, seed, **options)
+        try:
+            outcome = scenario(model, opt, _batches(seed, 16))
+        except RuntimeError as error:
+            outcome = ("raised", str(error))
+        results.append(([p.detach().clone() for p in model.parameters()], outcome))
+        opt.close()
+    (native_params, native_outcome), (python_params, python_outcome) = results
+    assert native_outcome == python_outcome
+    for a, b in zip(native_params, python_params):
+        assert torch.equal(a, b)
+    return native_outcome
+
+
+def _windows(model, opt, batches, windows=3, transposed=False):
+    for w in range(windows):
+        for i in range(N):
+            model(batches[(w * N + i) % len(batches)], transposed).backward()
+            opt.step()
+
+
+def _count_python_calls(monkeypatch):
+    calls = {"arrive": 0, "deliver": 0}
+    arrive, deliver = _intake.HookIntake._arrive, _intake.HookIntake._deliver
+
+    def counted_arrive(self, *args):
+        calls["arrive"] += 1
+        return arrive(self, *args)
+
+    def counted_deliver(self, *args):
+        calls["deliver"] += 1
+        return deliver(self, *args)
+
+    monkeypatch.setattr(_intake.HookIntake, "_arrive", counted_arrive)
+    monkeypatch.setattr(_intake.HookIntake, "_deliver", counted_deliver)
+    return calls
+
+
+@pytest.mark.parametrize("bucket_cap_mb", [25.0, 0.0005])
+def test_after_the_first_window_python_sees_a_bucket_not_a_gradient(bucket_cap_mb, monkeypatch, seed):
+    calls = _count_python_calls(monkeypatch)
+    model, opt = _build(True, monkeypatch, seed, bucket_cap_mb=bucket_cap_mb)
+    batches = _batches(seed, 16)
+    buckets = len(opt._layout.buckets)
+    _windows(model, opt, batches, windows=1)
+    assert calls == {"arrive": 4 * N, "deliver": 0}  # window 0: every gradient through Python
+    _windows(model, opt, batches, windows=2)
+    # The first micro-step after window 0 still went through Python (it watched until then).
+    assert calls["arrive"] == 4 * (N + 1)
+    assert calls["deliver"] == buckets * (2 * N - 1)
+    opt.close()
+
+
+def test_same_params_through_the_inbox_and_the_python_hooks(monkeypatch, seed):
+    """Plain windows, windows where one gradient arrives transposed (Python
+    takes it and the rest of its micro-step), one bucket and several."""
+
+    def scenario(model, opt, batches):
+        _windows(model, opt, batches, windows=3)
+        _windows(model, opt, batches, windows=2, transposed=True)  # w's gradient through Python
+        _windows(model, opt, batches, windows=2)
+        return "ok"
+
+    assert _both(scenario, monkeypatch, seed) == "ok"
+    assert _both(scenario, monkeypatch, seed, bucket_cap_mb=0.0005, max_grad_norm=0.5) == "ok"
+
+
+def test_a_grad_put_there_by_other_code_is_taken_in(monkeypatch, seed):
+    def scenario(model, opt, batches):
+        _windows(model, opt, batches, windows=2)
+        model.scale.grad = torch.full_like(model.scale, 0.25)  # beside the marker: a gradient too
+        _windows(model, opt, batches, windows=2)
+        return "ok"
+
+    assert _both(scenario, monkeypatch, seed) == "ok"
+
+
+def test_frozen_param_leaves_its_bucket_to_step(monkeypatch, seed):
+    """A bucket never completes in backward: what reads the window between a
+    backward and step() (accumulated_grad, clip_grad_norm_) and step() itself
+    take what the inbox queued."""
+
+    def scenario(model, opt, batches):
+        _windows(model, opt, batches, windows=2)
+        model.scale.requires_grad_(False)
+        model(batches[0]).backward()
+        seen = opt.accumulated_grad(model.first.weight).sum().item()
+        opt.step()
+        model(batches[1]).backward()
+        norm = opt.clip_grad_norm_(1e-3).item()
+        opt.step()
+        _windows(model, opt, batches, windows=2)
+        model.scale.requires_grad_(True)
+        _windows(model, opt, batches, windows=2)
+        return seen, norm
+
+    seen, norm = _both(scenario, monkeypatch, seed)
+    assert seen != 0 and norm > 0
+
+
+# frozen: a param frozen after wrapping leaves its bucket incomplete, so the
+# micro-step's gradients are still in the inbox when the refusal is decided.
+@pytest.mark.parametrize("frozen", [False, True], ids=["bucket-complete", "bucket-incomplete"])
+@pytest.mark.parametrize("where", ["first", "second"])
+def test_a_second_backward_is_refused_the_same_way(where, frozen, monkeypatch, seed):
+    def scenario(model, opt, batches):
+        _windows(model, opt, batches, windows=2)
+        model.scale.requires_grad_(not frozen)
+        if where == "second":
+            model(batches[0]).backward()
+            opt.step()
+        model(batches[1]).backward()
+        model(batches[2]).backward()
+        opt.step()
+
+    outcome = _both(scenario, monkeypatch, seed)
+    assert outcome[0] == "raised" and "backward" in outcome[1]
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["bucket-complete", "bucket-incomplete"])
+@pytest.mark.parametrize("zero_grad", ["wrapper", "model"])
+def test_zero_grad_between_backward_and_step_is_refused_the_same_way(zero_grad, frozen, monkeypatch, seed):
+    """The wrapper's zero_grad() refuses at once; the model's (set to None)
+    is found at step()."""
+
+    def scenario(model, opt, batches):
+        _windows(model, opt, batches, windows=2)
+        model.scale.requires_grad_(not frozen)
+        model(batches[0]).backward()
+        (opt if zero_grad == "wrapper" else model).zero_grad()
+        opt.step()
+
+    outcome = _both(scenario, monkeypatch, seed)
+    assert outcome[0] == "raised" and "zero_grad()" in outcome[1]
+
+
+def test_model_to_after_wrapping_is_named_from_inside_backward(monkeypatch, seed):
+    """The inbox hands a param no longer as wrapped to Python, whose error
+    comes out of backward() as it would from a Python hook."""
+
+    def scenario(model, opt, batches):
+        _windows(model, opt, batches, windows=2)
+        model.float()
+        model(batches[0].float()).backward()
+
+    outcome = _both(scenario, monkeypatch, seed)
+    assert outcome[0] == "raised" and "model.to()" in outcome[1]
+
+
+def test_closed_or_dropped_wrappers_hooks_pass_gradients_through(monkeypatch, seed):
+    model, opt = _build(True, monkeypatch, seed)
+    batches = _batches(seed, 4)
+    _windows(model, opt, batches, windows=2)
+    opt.close()
+    model.zero_grad(set_to_none=True)
+    model(batches[0]).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    assert all(type(g) is torch.Tensor and g.dtype == torch.bfloat16 for g in grads)
+
+    # A new wrapper over the same params: the old hooks pass through, the new ones take.
+    model.zero_grad(set_to_none=True)
+    second = ak.AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accum_steps=N, intake="hooks")
+    _windows(model, second, batches, windows=2)
+    model(batches[0]).backward()
+    assert second._intake._inbox is not None and second.micro_steps == 0
+    del second  # dropped without close(): its finalizer releases the hooks
+    import gc
+
+    gc.collect()
+    model.zero_grad(set_to_none=True)
+    model(batches[0]).backward()
+    for p, g in zip(model.parameters(), grads):
+        assert type(p.grad) is torch.Tensor and p.grad.shape == g.shape
