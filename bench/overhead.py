@@ -12,7 +12,9 @@ interleaved rounds:
 Paths: the plain ``.grad`` loop (autograd adds into bf16 ``.grad``, loss / N,
 one ``AdamW.step()`` and ``zero_grad()`` a window); AccumulatingOptimizer
 counting the window (``accum_steps=N``, ``step()`` every micro-batch) with
-each intake.
+each intake, and intake "hooks" once more through its Python pre-hooks only
+(as a build without the extension runs it; the default path uses the native
+ones of csrc/grad_inbox.cpp).
 
     python -m bench.overhead [--windows 40] [--out NAME]
 
@@ -61,6 +63,7 @@ CASES = {
 def paths(case: str) -> dict:
     """name -> a function that runs one window of that path."""
     import accumkernels as ak
+    from accumkernels.optim import _intake
 
     build = CASES[case][0]
     plain, data, loss_of = build()
@@ -74,9 +77,12 @@ def paths(case: str) -> dict:
         plain_opt.zero_grad()
 
     out = {"plain .grad (bf16)": plain_window}
-    for intake in ak.AccumulatingOptimizer.INTAKES:
+    # intake "hooks" as without the extension's native pre-hooks (csrc/grad_inbox.cpp), beside them
+    for intake, native in (("hooks", True), ("hooks", False), ("grad", True)):
         model = build()[0]
+        _intake.NATIVE_INBOX = native
         opt = ak.AccumulatingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), accum_steps=n, intake=intake)
+        _intake.NATIVE_INBOX = True
 
         def window(model=model, opt=opt):
             for x in data:
@@ -84,7 +90,7 @@ def paths(case: str) -> dict:
                 opt.step()
                 opt.zero_grad()
 
-        out[f"AccumulatingOptimizer, intake={intake!r}"] = window
+        out[f"AccumulatingOptimizer, intake={intake!r}" + ("" if native else ", Python hooks only")] = window
     return out
 
 
