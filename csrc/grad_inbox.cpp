@@ -109,6 +109,15 @@ class InboxHook : public torch::autograd::FunctionPreHook {
         strides_(std::move(strides)),
         slow_(slow) {}
 
+  // Compiled autograd asks each hook to describe itself for tracing: the
+  // wrapper's bookkeeping does not trace, so say so instead of torch's "nyi".
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs&) const override {
+    TORCH_CHECK_NOT_IMPLEMENTED(false,
+                                "AccumulatingOptimizer does not run under compiled autograd "
+                                "(torch._dynamo.compiled_autograd): run the backward without it (torch.compile of "
+                                "the model and its forward works)");
+  }
+
   variable_list operator()(const variable_list& grads) override {
     Inbox& box = *inbox_;
     {

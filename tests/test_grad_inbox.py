@@ -253,3 +253,13 @@ def test_closed_or_dropped_wrappers_hooks_pass_gradients_through(monkeypatch, se
     model(batches[0]).backward()
     for p, g in zip(model.parameters(), grads):
         assert type(p.grad) is torch.Tensor and p.grad.shape == g.shape
+
+
+def test_compiled_autograd_is_refused_naming_it(monkeypatch, seed):
+    """The wrapper's bookkeeping does not trace: compiled autograd asks the
+    native hook to describe itself, which it refuses by name."""
+    model, opt = _build(True, monkeypatch, seed)
+    with pytest.raises(NotImplementedError, match="does not run under compiled autograd"):
+        with torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager")):
+            model(_batches(seed, 1)[0]).backward()
+    opt.close()
