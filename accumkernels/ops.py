@@ -20,6 +20,7 @@ import torch
 from . import _validation as checks
 from ._state8 import scales_numel
 from .backends import resolve
+from .backends.native import NativeBackend
 
 Tensors = Sequence[torch.Tensor]
 
@@ -612,6 +613,11 @@ class Prepared:
         if backend is None:
             backend = self._resolved[device] = resolve(self.name, device)
         return backend
+
+    def runs_native(self, device: torch.device) -> bool:
+        """Whether ``device``'s ops are the extension's kernels
+        (torch.ops.accumkernels), which its own C++ may call as they are."""
+        return isinstance(self.on(device), NativeBackend)
 
     def __repr__(self) -> str:
         return f"Prepared({self.name!r})"

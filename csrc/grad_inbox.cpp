@@ -5,8 +5,13 @@
 // micro-step, dense, laid out like its buffer, the param as wrapped, its
 // .grad the intake's marker or unset) the hook queues the gradient for its
 // bucket and returns none, so autograd adds nothing into .grad, all without
-// Python; the bucket's last gradient calls the intake's deliver(bucket,
-// [(index, grad), ...]) once, which folds the bucket. Every other gradient
+// Python. The bucket's last gradient folds the bucket here, when Python armed
+// the inbox for it (inbox_buffers, inbox_arm: whether the bucket's params
+// are all new to the window, so the fold overwrites, or all in it, so it
+// adds), calling accumulate_ as the Python fold would and then the intake's
+// folded(bucket, (index, ...)) for its bookkeeping; else it calls the
+// intake's deliver(bucket, [(index, grad), ...]), which folds the bucket
+// in Python. Every other gradient
 // goes to the intake's Python pre-hook (the `slow` callable), which names
 // what is wrong or handles the rare case, and the inbox stays out of the way
 // until the next micro-step (so the Python side never sees half its state
@@ -18,15 +23,19 @@
 // state (at step(), zero_grad(), flush()).
 //
 // The module functions (added to accumkernels._C by module.cpp):
-//   inbox_new(deliver, expected: list[int], params: int) -> capsule
+//   inbox_new(deliver, folded, expected: list[int], params: int) -> capsule
 //   inbox_hook(inbox, index, bucket, param, marker, contiguous, strides, slow)
-//   inbox_start(inbox, enabled)     a new micro-step: no param has a gradient yet
+//   inbox_start(inbox, enabled)     a new micro-step: no param has a gradient yet; disarmed
+//   inbox_buffers(inbox, buffers)   each param's fp32 buffer (None: drop them)
+//   inbox_arm(inbox, modes, found_inf)   fold complete buckets here until the next start
 //   inbox_expect(inbox, expected)   the gradients that complete each bucket
 //   inbox_drain(inbox) -> [(bucket, [(index, grad), ...]), ...]
 //   inbox_stray(inbox) -> [index, ...]   params whose .grad is not their marker
 //   inbox_release(inbox, index)     the param's hook passes gradients through
 #include <Python.h>
 
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/GradMode.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -34,6 +43,7 @@
 
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -59,32 +69,49 @@ struct PyRef {
   }
 };
 
+// What a complete bucket's gradients become (inbox_arm; the values are the
+// Python side's, HookIntake._fold_mode).
+enum FoldMode : uint8_t {
+  kDeliver = 0,    // handed to Python (deliver), which folds them
+  kOverwrite = 1,  // folded here with overwrite=True: none of the bucket's params is in the window yet
+  kAdd = 2,        // folded here, added: every param of the bucket that can get a gradient is in the window
+};
+
 struct Inbox {
   std::mutex mutex;
   bool enabled = false;                // the hooks may queue (else every gradient goes to Python)
+  bool armed = false;                  // complete buckets are folded here as `modes` says (inbox_arm)
   std::vector<int64_t> expected;       // bucket -> gradients that complete it
   std::vector<Queued> queued;          // bucket -> gradients queued, not yet delivered
   std::vector<uint8_t> arrived;        // param -> got a gradient this micro-step
   std::vector<uint8_t> released;       // param -> its hook passes gradients through
   std::vector<at::Tensor> params, markers;  // param -> the param and its .grad marker (once hooked)
-  PyRef deliver;
+  std::vector<uint8_t> modes;          // bucket -> FoldMode
+  std::vector<at::Tensor> buffers;     // param -> its fp32 buffer (for the folds here; empty: none given)
+  std::optional<at::Tensor> found_inf;  // the micro-step's inf/NaN flag, where gradients are checked
+  PyRef deliver, folded;
 
-  Inbox(PyObject* deliver_fn, std::vector<int64_t> expected_counts, int64_t count)
+  Inbox(PyObject* deliver_fn, PyObject* folded_fn, std::vector<int64_t> expected_counts, int64_t count)
       : expected(std::move(expected_counts)),
         queued(expected.size()),
         arrived(count, 0),
         released(count, 0),
         params(count),
         markers(count),
-        deliver(deliver_fn) {}
+        modes(expected.size(), kDeliver),
+        deliver(deliver_fn),
+        folded(folded_fn) {}
 };
 
-PyObject* wrap_queued(const Queued& items) {
+// [(first, wrap(second)), ...] as a Python list of tuples.
+template <class Pairs, class Wrap>
+PyObject* pair_list(const Pairs& items, Wrap wrap) {
   PyObject* list = PyList_New(static_cast<Py_ssize_t>(items.size()));
   if (list == nullptr) return nullptr;
   for (size_t i = 0; i < items.size(); ++i) {
-    PyObject* grad = THPVariable_Wrap(items[i].second);
-    PyObject* pair = grad == nullptr ? nullptr : Py_BuildValue("(LN)", static_cast<long long>(items[i].first), grad);
+    PyObject* second = wrap(items[i].second);
+    PyObject* pair =
+        second == nullptr ? nullptr : Py_BuildValue("(LN)", static_cast<long long>(items[i].first), second);
     if (pair == nullptr) {
       Py_DECREF(list);
       return nullptr;
@@ -92,6 +119,21 @@ PyObject* wrap_queued(const Queued& items) {
     PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), pair);
   }
   return list;
+}
+
+PyObject* wrap_queued(const Queued& items) {
+  return pair_list(items, [](const at::Tensor& grad) { return THPVariable_Wrap(grad); });
+}
+
+// torch.ops.accumkernels.accumulate_ (csrc/ops.cpp), through the dispatcher
+// as the Python fold calls it, so CPU and CUDA tensors reach their kernels.
+using AccumulateFn = void(at::TensorList, at::TensorList, double, const std::optional<at::Tensor>&, bool,
+                          const std::optional<at::Tensor>&);
+
+const c10::TypedOperatorHandle<AccumulateFn>& accumulate_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("accumkernels::accumulate_", "").typed<AccumulateFn>();
+  return op;
 }
 
 class InboxHook : public torch::autograd::FunctionPreHook {
@@ -130,8 +172,18 @@ class InboxHook : public torch::autograd::FunctionPreHook {
         if (static_cast<int64_t>(queue.size()) < box.expected[bucket_]) return {at::Tensor()};
         Queued full = std::move(queue);
         queue.clear();
+        const uint8_t mode = box.armed ? box.modes[bucket_] : kDeliver;
+        if (mode == kDeliver) {
+          lock.unlock();
+          deliver(box, full);
+          return {at::Tensor()};
+        }
+        std::vector<at::Tensor> buffers;
+        buffers.reserve(full.size());
+        for (const auto& item : full) buffers.push_back(box.buffers[item.first]);
+        std::optional<at::Tensor> found_inf = box.found_inf;
         lock.unlock();
-        deliver(box, full);
+        fold(box, full, buffers, mode == kOverwrite, found_inf);
         return {at::Tensor()};
       }
       box.enabled = false;  // the rest of this micro-step goes through Python
@@ -152,6 +204,34 @@ class InboxHook : public torch::autograd::FunctionPreHook {
       return false;  // a tensor put into .grad by other code: Python takes it in
     }
     return true;
+  }
+
+  // HookIntake._fold's kernel call for a bucket of first gradients (scale 1:
+  // the inbox is armed only without a loss scaler), then its bookkeeping in
+  // Python (the window's params, the micro-step's arrivals).
+  void fold(Inbox& box, const Queued& full, const std::vector<at::Tensor>& buffers, bool overwrite,
+            const std::optional<at::Tensor>& found_inf) {
+    std::vector<at::Tensor> grads;
+    grads.reserve(full.size());
+    for (const auto& item : full) grads.push_back(item.second);
+    {
+      c10::AutoGradMode no_grad(false);  // as the Python fold, under torch.no_grad()
+      accumulate_op().call(buffers, grads, 1.0, std::nullopt, overwrite, found_inf);
+    }
+    pybind11::gil_scoped_acquire gil;
+    PyObject* indices = PyTuple_New(static_cast<Py_ssize_t>(full.size()));
+    if (indices == nullptr) throw python_error();
+    for (size_t i = 0; i < full.size(); ++i) {
+      PyObject* index = PyLong_FromLongLong(full[i].first);
+      if (index == nullptr) {
+        Py_DECREF(indices);
+        throw python_error();
+      }
+      PyTuple_SET_ITEM(indices, static_cast<Py_ssize_t>(i), index);
+    }
+    PyObject* result = PyObject_CallFunction(box.folded.object, "LN", static_cast<long long>(bucket_), indices);
+    if (result == nullptr) throw python_error();
+    Py_DECREF(result);
   }
 
   void deliver(Inbox& box, const Queued& full) {
@@ -231,12 +311,12 @@ bool int_list(PyObject* obj, std::vector<int64_t>& out) {
 }
 
 PyObject* inbox_new(PyObject*, PyObject* args) {
-  PyObject *deliver, *expected_obj;
+  PyObject *deliver, *folded, *expected_obj;
   long long params;
-  if (!PyArg_ParseTuple(args, "OOL", &deliver, &expected_obj, &params)) return nullptr;
+  if (!PyArg_ParseTuple(args, "OOOL", &deliver, &folded, &expected_obj, &params)) return nullptr;
   std::vector<int64_t> expected;
   if (!int_list(expected_obj, expected)) return nullptr;
-  auto* inbox = new std::shared_ptr<Inbox>(std::make_shared<Inbox>(deliver, std::move(expected), params));
+  auto* inbox = new std::shared_ptr<Inbox>(std::make_shared<Inbox>(deliver, folded, std::move(expected), params));
   PyObject* capsule = PyCapsule_New(inbox, kCapsule, free_capsule);
   if (capsule == nullptr) delete inbox;
   return capsule;
@@ -288,6 +368,79 @@ PyObject* inbox_start(PyObject*, PyObject* args) {
   std::lock_guard<std::mutex> lock(box.mutex);
   std::fill(box.arrived.begin(), box.arrived.end(), 0);
   box.enabled = enabled != 0;
+  box.armed = false;
+  Py_RETURN_NONE;
+}
+
+// inbox_buffers(inbox, buffers): each param's fp32 buffer, for the folds
+// here (None: none, and nothing is folded here until they are given again).
+PyObject* inbox_buffers(PyObject*, PyObject* args) {
+  PyObject *capsule, *buffers_obj;
+  if (!PyArg_ParseTuple(args, "OO", &capsule, &buffers_obj)) return nullptr;
+  auto* inbox = unwrap(capsule);
+  if (inbox == nullptr) return nullptr;
+  Inbox& box = **inbox;
+  std::vector<at::Tensor> buffers;
+  if (buffers_obj != Py_None) {
+    PyObject* seq = PySequence_Fast(buffers_obj, "inbox_buffers: buffers must be a sequence of tensors");
+    if (seq == nullptr) return nullptr;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
+      PyObject* item = PySequence_Fast_GET_ITEM(seq, i);
+      if (!THPVariable_Check(item)) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_TypeError, "inbox_buffers: buffers must be a sequence of tensors");
+        return nullptr;
+      }
+      buffers.push_back(THPVariable_Unpack(item));
+    }
+    Py_DECREF(seq);
+    if (buffers.size() != box.params.size()) {
+      PyErr_SetString(PyExc_ValueError, "inbox_buffers: one buffer per param");
+      return nullptr;
+    }
+  }
+  std::lock_guard<std::mutex> lock(box.mutex);
+  box.buffers = std::move(buffers);
+  box.armed = false;
+  Py_RETURN_NONE;
+}
+
+// inbox_arm(inbox, modes, found_inf): until the next inbox_start, fold each
+// complete bucket as modes[bucket] says (a FoldMode; None keeps the last
+// ones), checking its gradients for inf/NaN into found_inf (None: unchecked).
+PyObject* inbox_arm(PyObject*, PyObject* args) {
+  PyObject *capsule, *modes_obj, *found_inf_obj;
+  if (!PyArg_ParseTuple(args, "OOO", &capsule, &modes_obj, &found_inf_obj)) return nullptr;
+  auto* inbox = unwrap(capsule);
+  if (inbox == nullptr) return nullptr;
+  Inbox& box = **inbox;
+  std::vector<int64_t> modes;
+  if (modes_obj != Py_None) {
+    if (!int_list(modes_obj, modes)) return nullptr;
+    for (int64_t mode : modes) {
+      if (mode != kDeliver && mode != kOverwrite && mode != kAdd) {
+        PyErr_SetString(PyExc_ValueError, "inbox_arm: a mode is 0 (deliver), 1 (overwrite) or 2 (add)");
+        return nullptr;
+      }
+    }
+    if (modes.size() != box.expected.size()) {
+      PyErr_SetString(PyExc_ValueError, "inbox_arm: one mode per bucket");
+      return nullptr;
+    }
+  }
+  if (found_inf_obj != Py_None && !THPVariable_Check(found_inf_obj)) {
+    PyErr_SetString(PyExc_TypeError, "inbox_arm: found_inf must be a tensor or None");
+    return nullptr;
+  }
+  std::lock_guard<std::mutex> lock(box.mutex);
+  if (box.buffers.empty()) {
+    PyErr_SetString(PyExc_RuntimeError, "inbox_arm: no buffers (inbox_buffers first)");
+    return nullptr;
+  }
+  if (modes_obj != Py_None) box.modes.assign(modes.begin(), modes.end());
+  box.found_inf =
+      found_inf_obj == Py_None ? std::nullopt : std::optional<at::Tensor>(THPVariable_Unpack(found_inf_obj));
+  box.armed = true;
   Py_RETURN_NONE;
 }
 
@@ -322,18 +475,7 @@ PyObject* inbox_drain(PyObject*, PyObject* capsule) {
       }
     }
   }
-  PyObject* out = PyList_New(static_cast<Py_ssize_t>(taken.size()));
-  if (out == nullptr) return nullptr;
-  for (size_t i = 0; i < taken.size(); ++i) {
-    PyObject* items = wrap_queued(taken[i].second);
-    PyObject* pair = items == nullptr ? nullptr : Py_BuildValue("(LN)", static_cast<long long>(taken[i].first), items);
-    if (pair == nullptr) {
-      Py_DECREF(out);
-      return nullptr;
-    }
-    PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), pair);
-  }
-  return out;
+  return pair_list(taken, wrap_queued);
 }
 
 // The hooked params whose .grad is not their marker (None included): the
@@ -377,11 +519,14 @@ PyObject* inbox_release(PyObject*, PyObject* args) {
 }
 
 PyMethodDef methods[] = {
-    {"inbox_new", inbox_new, METH_VARARGS, "a gradient inbox: inbox_new(deliver, expected, params)"},
+    {"inbox_new", inbox_new, METH_VARARGS, "a gradient inbox: inbox_new(deliver, folded, expected, params)"},
     {"inbox_hook", inbox_hook, METH_VARARGS,
      "inbox_hook(inbox, index, bucket, param, marker, contiguous, strides, slow): the pre-hook on param's "
      "gradient accumulator"},
-    {"inbox_start", inbox_start, METH_VARARGS, "inbox_start(inbox, enabled): a new micro-step"},
+    {"inbox_start", inbox_start, METH_VARARGS, "inbox_start(inbox, enabled): a new micro-step, disarmed"},
+    {"inbox_buffers", inbox_buffers, METH_VARARGS, "inbox_buffers(inbox, buffers): the buffers to fold into"},
+    {"inbox_arm", inbox_arm, METH_VARARGS,
+     "inbox_arm(inbox, modes, found_inf): fold complete buckets here until the next inbox_start"},
     {"inbox_expect", inbox_expect, METH_VARARGS, "inbox_expect(inbox, expected): gradients per bucket"},
     {"inbox_drain", inbox_drain, METH_O, "inbox_drain(inbox): the queued gradients, [(bucket, [(index, grad)])]"},
     {"inbox_stray", inbox_stray, METH_O, "inbox_stray(inbox): the hooked params whose .grad is not their marker"},

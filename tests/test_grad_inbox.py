@@ -12,6 +12,8 @@ The windows after the first are the inbox's (the first watches for a late
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -55,9 +57,9 @@ class _Net(nn.Module):
         self.w = nn.Parameter(torch.randn(24, 7) * 0.2)
         self.scale = nn.Parameter(torch.ones(7))
 
-    def forward(self, x, transposed=False):
+    def forward(self, x, transposed=False, scaled=True):
         h = torch.tanh(self.first(x)) @ (_TransposedGrad.apply(self.w) if transposed else self.w)
-        return (h * self.scale).square().mean()
+        return (h * self.scale if scaled else h).square().mean()
 
 
 def _batches(seed: int, count: int):
@@ -102,34 +104,47 @@ def _windows(model, opt, batches, windows=3, transposed=False):
 
 
 def _count_python_calls(monkeypatch):
-    calls = {"arrive": 0, "deliver": 0}
-    arrive, deliver = _intake.HookIntake._arrive, _intake.HookIntake._deliver
+    calls = {"arrive": 0, "deliver": 0, "folded": 0}
+    for name in calls:
+        original = getattr(_intake.HookIntake, f"_{name}")
 
-    def counted_arrive(self, *args):
-        calls["arrive"] += 1
-        return arrive(self, *args)
+        def counted(self, *args, name=name, original=original):
+            calls[name] += 1
+            return original(self, *args)
 
-    def counted_deliver(self, *args):
-        calls["deliver"] += 1
-        return deliver(self, *args)
-
-    monkeypatch.setattr(_intake.HookIntake, "_arrive", counted_arrive)
-    monkeypatch.setattr(_intake.HookIntake, "_deliver", counted_deliver)
+        monkeypatch.setattr(_intake.HookIntake, f"_{name}", counted)
     return calls
 
 
 @pytest.mark.parametrize("bucket_cap_mb", [25.0, 0.0005])
-def test_after_the_first_window_python_sees_a_bucket_not_a_gradient(bucket_cap_mb, monkeypatch, seed):
+def test_after_the_first_window_the_inbox_folds_each_bucket_itself(bucket_cap_mb, monkeypatch, seed):
     calls = _count_python_calls(monkeypatch)
     model, opt = _build(True, monkeypatch, seed, bucket_cap_mb=bucket_cap_mb)
     batches = _batches(seed, 16)
     buckets = len(opt._layout.buckets)
     _windows(model, opt, batches, windows=1)
-    assert calls == {"arrive": 4 * N, "deliver": 0}  # window 0: every gradient through Python
+    assert calls == {"arrive": 4 * N, "deliver": 0, "folded": 0}  # window 0: every gradient through Python
     _windows(model, opt, batches, windows=2)
     # The first micro-step after window 0 still went through Python (it watched until then).
     assert calls["arrive"] == 4 * (N + 1)
-    assert calls["deliver"] == buckets * (2 * N - 1)
+    assert calls == {"arrive": 4 * (N + 1), "deliver": 0, "folded": buckets * (2 * N - 1)}
+    opt.close()
+
+
+def test_with_a_loss_scaler_python_folds_each_bucket(monkeypatch, seed):
+    """A GradScaler's scale is read at a micro-step's first fold (after the
+    previous update()): the inbox hands the bucket to Python, which folds it."""
+    calls = _count_python_calls(monkeypatch)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    model, opt = _build(True, monkeypatch, seed, grad_scaler=scaler)
+    batches = _batches(seed, 16)
+    for w in range(3):
+        for i in range(N):
+            scaler.scale(model(batches[w * N + i])).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert calls["folded"] == 0
+    assert calls["deliver"] == 2 * N - 1
     opt.close()
 
 
@@ -145,6 +160,72 @@ def test_same_params_through_the_inbox_and_the_python_hooks(monkeypatch, seed):
 
     assert _both(scenario, monkeypatch, seed) == "ok"
     assert _both(scenario, monkeypatch, seed, bucket_cap_mb=0.0005, max_grad_norm=0.5) == "ok"
+
+
+@pytest.mark.parametrize("bucket_cap_mb", [25.0, 0.0005])
+def test_a_param_without_a_gradient_in_some_micro_steps(bucket_cap_mb, monkeypatch, seed):
+    """``scale`` gets no gradient in a window's first micro-step: its bucket is
+    folded at step() (incomplete), and at the second micro-step holds params
+    in the window and one new to it, which the inbox hands to Python."""
+
+    def scenario(model, opt, batches):
+        _windows(model, opt, batches, windows=2)
+        for w in range(3):
+            for i in range(N):
+                model(batches[w * N + i], scaled=i > 0).backward()
+                opt.step()
+        _windows(model, opt, batches, windows=2)
+        return "ok"
+
+    assert _both(scenario, monkeypatch, seed, bucket_cap_mb=bucket_cap_mb) == "ok"
+
+
+def test_an_inf_gradient_skips_its_window_the_same_way(monkeypatch, seed):
+    """skip_nonfinite: the inbox's folds check into the micro-step's flag."""
+
+    def scenario(model, opt, batches):
+        batches[2 * N + 1][0, 0] = float("inf")  # the third window's second micro-batch
+        _windows(model, opt, batches, windows=5)
+        return "ok"
+
+    assert _both(scenario, monkeypatch, seed, skip_nonfinite=True) == "ok"
+
+
+def test_a_checkpoint_loaded_mid_window_goes_on_as_saved(monkeypatch, seed):
+    """A window saved after its first micro-step and loaded where a window
+    starts (the inbox armed to overwrite) must add to the loaded sums."""
+
+    def scenario(model, opt, batches):
+        _windows(model, opt, batches, windows=2)
+        model(batches[0]).backward()
+        opt.step()
+        saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+        model(batches[1]).backward()
+        opt.step()  # ends the window...
+        ended = [p.detach().clone() for p in model.parameters()]
+        model.load_state_dict(saved[0])
+        opt.load_state_dict(saved[1])  # ...which starts again from its first micro-step
+        model(batches[1]).backward()
+        opt.step()
+        return all(torch.equal(a, b) for a, b in zip(ended, model.parameters()))
+
+    assert _both(scenario, monkeypatch, seed) is True
+
+
+@pytest.mark.parametrize("options", [{"backend": "reference"}, {"accum_steps": 1}], ids=["reference", "lean"])
+def test_python_folds_where_the_inbox_cannot(options, monkeypatch, seed):
+    """Another backend than the native kernels, or no flat buffer (accum_steps=1):
+    the inbox hands each bucket to Python."""
+    calls = _count_python_calls(monkeypatch)
+    monkeypatch.setattr(_intake, "NATIVE_INBOX", True)
+    torch.manual_seed(seed)
+    model = _Net().bfloat16()
+    opt = ak.AccumulatingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), **{"accum_steps": N, **options})
+    for x in _batches(seed, 6):
+        model(x).backward()
+        opt.step()
+    assert calls["folded"] == 0 and calls["deliver"] > 0
+    opt.close()
 
 
 def test_a_grad_put_there_by_other_code_is_taken_in(monkeypatch, seed):

@@ -6,12 +6,15 @@ param's own tensor hooks and before autograd would add it into ``.grad``; not
 run in ``torch.autograd.grad()``, which accumulates nothing;
 FSDP2: a post-accumulate-grad hook, once FSDP2 handed the reduced shard over);
 and returns no gradient, so autograd adds nothing into ``.grad``;
-where the extension is built the hook is native (csrc/grad_inbox.cpp: the
-common gradient is queued without Python, and Python sees a bucket at a time;
-every other gradient goes to the Python hook, ``_arrive``);
 when a bucket's gradients are all there, one ``accumulate_`` call folds them
 into the buffers (cast, loss-scale and inf check in the same pass; a param's
 first gradient of a window overwrites its buffer, so nothing is ever zeroed).
+Where the extension is built the hook is native (csrc/grad_inbox.cpp): the
+common gradient is queued without Python, and a complete bucket is folded by
+the inbox itself where ``ready_for_backward`` armed it (no loss scaler, the
+native kernels, the bucket's params all new to the window or all in it), else
+handed to Python (``_deliver``); every other gradient goes to the Python hook,
+``_arrive``.
 At most a bucket's worth of gradients lives beside the buffers.
 Where a window is one micro-batch (accum_steps=1, one process: "lean",
 ``holds_buffers``) there is no flat buffer: each gradient is held as it
@@ -92,6 +95,13 @@ def _deliver_weak(ref, bucket, taken) -> None:
     intake = ref()
     if intake is not None:
         intake._deliver(bucket, taken)
+
+
+def _folded_weak(ref, bucket, indices) -> None:
+    """The native inbox's call when it folded a bucket itself (``indices``: its params that got a gradient)."""
+    intake = ref()
+    if intake is not None:
+        intake._folded(bucket, indices)
 
 
 class _InboxHandle:
@@ -221,6 +231,10 @@ class Intake:
         """A step() call took this micro-step's gradients: count afresh."""
         self.arrivals.clear()
         self.repeated = (0, -1)
+
+    def ready_for_backward(self) -> None:
+        """Nothing of the wrapper's runs before the next backward (the end of
+        step(), of load_state_dict(), of the constructor)."""
 
     def _expected_changed(self) -> None:
         """The layout's buckets expect other counts of gradients (params unfrozen)."""
@@ -387,7 +401,9 @@ class HookIntake(Intake):
         self.lean = self.layout.flat is None
         self._held_unscale = 1.0
         self._one = torch.ones(1, device=self.layout.device)
+        self._armed = None  # what ready_for_backward last armed the inbox for (its key)
         self._start_inbox()
+        self.ready_for_backward()
 
     def _register(self, r: ParamRecord):
         if r.local_of is not None:  # FSDP2 assigns the reduced shard to .grad and runs these hooks itself
@@ -407,7 +423,10 @@ class HookIntake(Intake):
             return node.register_prehook(slow)
         if self._inbox is None:
             self._inbox = _native._C.inbox_new(
-                functools.partial(_deliver_weak, self._ref), [b.expected for b in self.layout.buckets], len(self.layout)
+                functools.partial(_deliver_weak, self._ref),
+                functools.partial(_folded_weak, self._ref),
+                [b.expected for b in self.layout.buckets],
+                len(self.layout),
             )
         _native._C.inbox_hook(
             self._inbox, r.index, r.bucket.index, r.param, r.marker, r.contiguous, r.buffer_stride, slow
@@ -424,6 +443,61 @@ class HookIntake(Intake):
     def start_micro_step(self) -> None:
         super().start_micro_step()
         self._start_inbox()
+
+    def ready_for_backward(self) -> None:
+        """Arm the native inbox to fold each complete bucket itself in the next
+        backward (no Python but its bookkeeping, _folded), where that is
+        the fold _deliver would make: a flat buffer, the native kernels, no
+        loss scaler (its scale is read at the first fold of a micro-step), and
+        a bucket whose params are all new to the window (overwrite) or all in
+        it (add); any other bucket is delivered as before. The modes hold for
+        one micro-step: within it, a bucket completes in the inbox only if none
+        of its gradients went to Python, so nothing else changes what the window
+        holds of it. They are worked out again only when the window's touched
+        set, the hooks or the buffers changed (touched only grows within a
+        window, and each window, or a loaded checkpoint, has a new set)."""
+        layout = self.layout
+        if self._inbox is None:
+            return
+        armable = (
+            layout.flat is not None
+            and not _amp.is_enabled(self.loss_scale.scaler)
+            and self.backend.runs_native(layout.device)
+        )
+        armed = self._armed
+        if not armable:
+            if armed is not None:  # the inbox must not keep a buffer alive (lean: released at each step)
+                _native._C.inbox_buffers(self._inbox, None)
+                self._armed = None
+            return
+        touched = self.window.touched
+        modes = None
+        if armed is None or armed[3] is not layout.flat:
+            _native._C.inbox_buffers(self._inbox, [r.buffer for r in layout.records])
+            armed = None
+        if armed is None or armed[0] is not touched or armed[1] != len(touched) or armed[2] != len(self._handles):
+            modes = [self._fold_mode(bucket, touched) for bucket in layout.buckets]
+            self._armed = (touched, len(touched), len(self._handles), layout.flat)
+        _native._C.inbox_arm(self._inbox, modes, self.window.step_found_inf if self.check_inf else None)
+
+    def _fold_mode(self, bucket: Bucket, touched: set[int]) -> int:
+        """How the inbox folds ``bucket`` when complete (csrc/grad_inbox.cpp's
+        FoldMode): 1, overwrite, when none of its params is in the window; 2,
+        add, when every one that has a hook is; else 0, delivered to _deliver,
+        which sorts the two kinds."""
+        indices = [r.index for r in bucket.records]
+        if touched.isdisjoint(indices):
+            return 1
+        if touched.issuperset(i for i in indices if i in self._handles):
+            return 2
+        return 0
+
+    def _folded(self, bucket: int, indices: tuple[int, ...]) -> None:
+        """The inbox folded ``bucket``'s gradients (of the params ``indices``,
+        each its first of the micro-step) as _deliver would have: count them."""
+        self.window.touched.update(indices)
+        self.arrivals.update(dict.fromkeys(indices, 1))
+        self.window.grads_since_step = True
 
     def _expected_changed(self) -> None:
         if self._inbox is not None:

@@ -343,6 +343,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         window.stepped = ends_window
         if ends_window:
             self._end_window()
+        intake.ready_for_backward()
         return loss
 
     # ---- public helpers ----------------------------------------------------
@@ -436,6 +437,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         every rank loads its own, with the same world size."""
         _checkpoint.load(self, state_dict)
         self._intake.flush()
+        self._intake.ready_for_backward()
 
     # ---- copies -------------------------------------------------------------
 
