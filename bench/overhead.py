@@ -23,7 +23,10 @@ each intake, and intake "hooks" once more through its Python pre-hooks only
 (as a build without the extension runs it; the default path uses the native
 ones of csrc/grad_inbox.cpp).
 
-    python -m bench.overhead [--windows 40] [--cases tiny,gpt,...] [--out NAME]
+    python -m bench.overhead [--windows 40] [--cases tiny,gpt,...] [--paths plain,hooks,...] [--out NAME]
+
+(``--paths`` of plain, hooks, hooks-python, grad: fewer paths make shorter
+rounds, whose paired ratios this VM's drift disturbs less.)
 
 Targets: tiny <= 1.05x plain, gpt counted <= 1.03x (issue #29); the
 convergence model's window <= plain's (issue #27).
@@ -94,8 +97,14 @@ CASES = {
 }
 
 
-def paths(case: str) -> dict:
-    """name -> a function that runs one window of that path."""
+# short name -> (intake, through the native inbox of csrc/grad_inbox.cpp; False: as
+# without the extension, through the Python pre-hooks only)
+WRAPPER_PATHS = {"hooks": ("hooks", True), "hooks-python": ("hooks", False), "grad": ("grad", True)}
+PATHS = ("plain", *WRAPPER_PATHS)
+
+
+def paths(case: str, chosen=PATHS) -> dict:
+    """name -> a function that runs one window of that path (plain first)."""
     import accumkernels as ak
     from accumkernels.optim import _intake
 
@@ -114,8 +123,7 @@ def paths(case: str) -> dict:
         plain_opt.zero_grad()
 
     out = {"plain .grad (bf16)": plain_window}
-    # intake "hooks" as without the extension's native pre-hooks (csrc/grad_inbox.cpp), beside them
-    for intake, native in (("hooks", True), ("hooks", False), ("grad", True)):
+    for intake, native in (WRAPPER_PATHS[name] for name in chosen if name != "plain"):
         model = build()[0]
         _intake.NATIVE_INBOX = native
         opt = ak.AccumulatingOptimizer(
@@ -152,13 +160,18 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--windows", type=int, default=40, help="timed windows per path")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {list(CASES)}")
+    parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of {list(PATHS)} (plain always)")
     parser.add_argument("--results-dir", default=None, help="folder for the JSON (default: bench/results/local)")
     parser.add_argument("--out", default="overhead-cpu")
     args = parser.parse_args(argv)
+    chosen = args.paths.split(",")
+    unknown = sorted(set(chosen) - set(PATHS))
+    if unknown:
+        parser.error(f"--paths: unknown {unknown}; choose from {list(PATHS)}")
     device = torch.device("cpu")
     rows = []
     for case in args.cases.split(","):
-        runs = paths(case)
+        runs = paths(case, chosen)
         times = interleaved_times(list(runs.values()), reps=args.windows, warmup=3)
         base = times[0]
         case_rows = [

@@ -228,6 +228,35 @@ def test_python_folds_where_the_inbox_cannot(options, monkeypatch, seed):
     opt.close()
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["hooked", "frozen-when-wrapped"])
+def test_zero_grad_drops_a_grad_put_there_by_other_code(frozen, monkeypatch, seed):
+    """As in plain PyTorch: a .grad assigned after step() and before
+    zero_grad() is dropped, on a hooked param and on one without a hook."""
+    if frozen:
+        monkeypatch.setattr(_Net, "__init__", _frozen_scale_init)
+
+    def scenario(model, opt, batches):
+        _windows(model, opt, batches, windows=2)
+        model(batches[0]).backward()
+        opt.step()
+        model.scale.grad = torch.full_like(model.scale, 0.25)
+        opt.zero_grad()
+        dropped = model.scale.grad is None
+        model(batches[1]).backward()
+        opt.step()
+        _windows(model, opt, batches, windows=2)
+        return dropped
+
+    assert _both(scenario, monkeypatch, seed) is True
+
+
+def _frozen_scale_init(self) -> None:
+    nn.Module.__init__(self)
+    self.first = nn.Linear(13, 24)
+    self.w = nn.Parameter(torch.randn(24, 7) * 0.2)
+    self.scale = nn.Parameter(torch.ones(7), requires_grad=False)
+
+
 def test_a_grad_put_there_by_other_code_is_taken_in(monkeypatch, seed):
     def scenario(model, opt, batches):
         _windows(model, opt, batches, windows=2)

@@ -771,9 +771,13 @@ class HookIntake(Intake):
                 "backward), or use intake='grad'"
             )
         self.flush()
-        for (
-            r
-        ) in self.layout:  # a .grad no hook took (left from before wrapping, or assigned): dropped, as in plain PyTorch
+        # A .grad no hook took (left from before wrapping, or assigned) is
+        # dropped, as in plain PyTorch. The inbox lists the hooked params whose
+        # .grad is not their marker; the params without a hook are looked at too.
+        candidates = self.layout.records
+        if self._inbox is not None and self._handles:
+            candidates = [*(candidates[i] for i in _native._C.inbox_stray(self._inbox)), *self._unhooked]
+        for r in candidates:
             if (
                 r.local_of is None
                 and r.param.grad is not None
