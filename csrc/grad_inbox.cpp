@@ -9,7 +9,7 @@
 // the inbox for it (inbox_buffers, inbox_arm: whether the bucket's params
 // are all new to the window, so the fold overwrites, or all in it, so it
 // adds), calling accumulate_ as the Python fold would and then the intake's
-// folded(bucket, (index, ...)) for its bookkeeping; else it calls the
+// folded([index, ...]) for its bookkeeping; else it calls the
 // intake's deliver(bucket, [(index, grad), ...]), which folds the bucket
 // in Python. Every other gradient
 // goes to the intake's Python pre-hook (the `slow` callable), which names
@@ -121,6 +121,21 @@ PyObject* pair_list(const Pairs& items, Wrap wrap) {
   return list;
 }
 
+// [index, ...] as a Python list of ints.
+PyObject* index_list(const std::vector<int64_t>& indices) {
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(indices.size()));
+  if (list == nullptr) return nullptr;
+  for (size_t i = 0; i < indices.size(); ++i) {
+    PyObject* value = PyLong_FromLongLong(indices[i]);
+    if (value == nullptr) {
+      Py_DECREF(list);
+      return nullptr;
+    }
+    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), value);
+  }
+  return list;
+}
+
 PyObject* wrap_queued(const Queued& items) {
   return pair_list(items, [](const at::Tensor& grad) { return THPVariable_Wrap(grad); });
 }
@@ -178,12 +193,16 @@ class InboxHook : public torch::autograd::FunctionPreHook {
           deliver(box, full);
           return {at::Tensor()};
         }
-        std::vector<at::Tensor> buffers;
-        buffers.reserve(full.size());
-        for (const auto& item : full) buffers.push_back(box.buffers[item.first]);
+        std::vector<at::Tensor> buffers, grads;
+        std::vector<int64_t> indices;
+        for (const auto& [index, grad] : full) {
+          buffers.push_back(box.buffers[index]);
+          grads.push_back(grad);
+          indices.push_back(index);
+        }
         std::optional<at::Tensor> found_inf = box.found_inf;
         lock.unlock();
-        fold(box, full, buffers, mode == kOverwrite, found_inf);
+        fold(box, buffers, grads, indices, mode == kOverwrite, found_inf);
         return {at::Tensor()};
       }
       box.enabled = false;  // the rest of this micro-step goes through Python
@@ -208,28 +227,18 @@ class InboxHook : public torch::autograd::FunctionPreHook {
 
   // HookIntake._fold's kernel call for a bucket of first gradients (scale 1:
   // the inbox is armed only without a loss scaler), then its bookkeeping in
-  // Python (the window's params, the micro-step's arrivals).
-  void fold(Inbox& box, const Queued& full, const std::vector<at::Tensor>& buffers, bool overwrite,
-            const std::optional<at::Tensor>& found_inf) {
-    std::vector<at::Tensor> grads;
-    grads.reserve(full.size());
-    for (const auto& item : full) grads.push_back(item.second);
+  // Python (the window's params, the micro-step's arrivals: folded(indices)).
+  void fold(Inbox& box, const std::vector<at::Tensor>& buffers, const std::vector<at::Tensor>& grads,
+            const std::vector<int64_t>& indices, bool overwrite, const std::optional<at::Tensor>& found_inf) {
     {
       c10::AutoGradMode no_grad(false);  // as the Python fold, under torch.no_grad()
       accumulate_op().call(buffers, grads, 1.0, std::nullopt, overwrite, found_inf);
     }
     pybind11::gil_scoped_acquire gil;
-    PyObject* indices = PyTuple_New(static_cast<Py_ssize_t>(full.size()));
-    if (indices == nullptr) throw python_error();
-    for (size_t i = 0; i < full.size(); ++i) {
-      PyObject* index = PyLong_FromLongLong(full[i].first);
-      if (index == nullptr) {
-        Py_DECREF(indices);
-        throw python_error();
-      }
-      PyTuple_SET_ITEM(indices, static_cast<Py_ssize_t>(i), index);
-    }
-    PyObject* result = PyObject_CallFunction(box.folded.object, "LN", static_cast<long long>(bucket_), indices);
+    PyObject* list = index_list(indices);
+    if (list == nullptr) throw python_error();
+    PyObject* result = PyObject_CallOneArg(box.folded.object, list);
+    Py_DECREF(list);
     if (result == nullptr) throw python_error();
     Py_DECREF(result);
   }
@@ -493,17 +502,7 @@ PyObject* inbox_stray(PyObject*, PyObject* capsule) {
       }
     }
   }
-  PyObject* out = PyList_New(static_cast<Py_ssize_t>(stray.size()));
-  if (out == nullptr) return nullptr;
-  for (size_t i = 0; i < stray.size(); ++i) {
-    PyObject* value = PyLong_FromLongLong(stray[i]);
-    if (value == nullptr) {
-      Py_DECREF(out);
-      return nullptr;
-    }
-    PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), value);
-  }
-  return out;
+  return index_list(stray);
 }
 
 PyObject* inbox_release(PyObject*, PyObject* args) {

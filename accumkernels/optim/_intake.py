@@ -97,11 +97,11 @@ def _deliver_weak(ref, bucket, taken) -> None:
         intake._deliver(bucket, taken)
 
 
-def _folded_weak(ref, bucket, indices) -> None:
+def _folded_weak(ref, indices) -> None:
     """The native inbox's call when it folded a bucket itself (``indices``: its params that got a gradient)."""
     intake = ref()
     if intake is not None:
-        intake._folded(bucket, indices)
+        intake._folded(indices)
 
 
 class _InboxHandle:
@@ -492,8 +492,8 @@ class HookIntake(Intake):
             return 2
         return 0
 
-    def _folded(self, bucket: int, indices: tuple[int, ...]) -> None:
-        """The inbox folded ``bucket``'s gradients (of the params ``indices``,
+    def _folded(self, indices: list[int]) -> None:
+        """The inbox folded a bucket's gradients (of the params ``indices``,
         each its first of the micro-step) as _deliver would have: count them."""
         self.window.touched.update(indices)
         self.arrivals.update(dict.fromkeys(indices, 1))
