@@ -27,10 +27,11 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def interleaved_medians(fns: list, device: torch.device, *, reps: int, warmup: int = 2) -> list[float]:
-    """Median wall time of each function, timed in interleaved rounds (one run
-    of each per round), so that drift in the machine's speed over the run hits
-    every function alike."""
+def interleaved_times(fns: list, device: torch.device, *, reps: int, warmup: int = 2) -> list[list[float]]:
+    """Wall times of each function, timed in ``reps`` interleaved rounds (one
+    run of each per round, in the same order), so that drift in the machine's
+    speed over the run hits every function alike; ``times[f][r]`` is function
+    f's time in round r."""
     for fn in fns:
         for _ in range(warmup):
             fn()
@@ -42,7 +43,19 @@ def interleaved_medians(fns: list, device: torch.device, *, reps: int, warmup: i
             fn()
             synchronize(device)
             out.append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
+    return times
+
+
+def interleaved_medians(fns: list, device: torch.device, *, reps: int, warmup: int = 2) -> list[float]:
+    """The median of each function's interleaved_times."""
+    return [statistics.median(t) for t in interleaved_times(fns, device, reps=reps, warmup=warmup)]
+
+
+def paired_ratio(a: list[float], b: list[float]) -> float:
+    """The median over rounds of a[r] / b[r], two functions' interleaved_times:
+    a ratio of neighbours in time, which a machine whose speed drifts between
+    rounds (a shared VM) moves less than it moves the ratio of the medians."""
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
 
 
 def cpu_model() -> str:

@@ -36,6 +36,9 @@ def test_kernel_benchmark_quick_mode(native_only, tmp_path):
     heads = {h["figure"]: h for h in result["headline"]}
     assert "accumulate_ bf16 GB/s / ceiling GB/s" in heads
     assert all(h["value"] > 0 and h["target"] > 0 and isinstance(h["met"], bool) for h in heads.values())
+    # Item 4's ratio is against the issue's fp32-state step (bf16 params, fp32 state), paired by rounds.
+    assert heads["adamw bf16 params: bf16 state GB/s / fp32 state GB/s"]["paired"]
+    assert all(len(r["round_ms"]) == 5 for r in result["rows"])
     assert "headline [cpu]" in out.stdout
     # Each AdamW step beside its arithmetic floor (one thread, in cache) and its bytes at the ceiling:
     # the floor is a difference of two timings, so only its presence and finiteness are asserted.
@@ -93,3 +96,32 @@ def test_a_users_run_does_not_overwrite_the_committed_results():
     probe = common.RESULTS / "suite-cpu.json"
     ignored = subprocess.run(["git", "check-ignore", "-q", str(probe)], cwd=ROOT)
     assert ignored.returncode == 0, f"{probe} must be ignored by git"
+
+
+def test_headline_ratios_are_paired_by_round_within_a_group():
+    """headline(): a GB/s figure is a's GB/s over b's, a time figure a's time
+    over b's; within one group the median of the per-round ratios (torch
+    fused over ours: 3, 2 and 3, median 3, where the medians' ratio is 2),
+    across groups the ratio of the medians."""
+    from bench import kernels
+
+    def row(key, group, bpe, rounds):
+        ms = sorted(rounds)[len(rounds) // 2]
+        return {"key": key, "group": group, "bytes_per_element": bpe, "numel": 10, "median_ms": ms, "round_ms": rounds}
+
+    rows = [
+        row("adamw_bf16_state[cpu]", "adamw", 20, [1.0, 2.0, 4.0]),
+        row("adamw_bf16_fp32_state[cpu]", "adamw", 28, [2.0, 4.0, 8.0]),
+        row("adamw_torch_fused", "adamw", 32, [3.0, 6.0, 12.0]),
+        row("adamw[cpu]", "adamw", 32, [1.0, 3.0, 4.0]),
+        row("accumulate_bf16[cpu]", "accumulate", 10, [1.0, 1.0, 1.0]),
+        row("ceiling", "accumulate", 12, [1.0, 1.0, 1.0]),
+        row("torch_add_bf16", "other", 10, [3.0, 3.0, 3.0]),
+    ]
+    heads = {h["figure"]: h for h in kernels.headline({"rows": rows}, "cpu", "cpu")}
+    sr = heads["adamw bf16 params: bf16 state GB/s / fp32 state GB/s"]
+    assert sr["paired"] and sr["value"] == pytest.approx(2.0 * 20 / 28)
+    fused = heads["adamw_step_and_zero_ vs torch fused + zero_"]
+    assert fused["paired"] and fused["value"] == pytest.approx(3.0)
+    mixed = heads["accumulate_ bf16 speedup vs torch mixed add_"]
+    assert not mixed["paired"] and mixed["value"] == pytest.approx(3.0)
