@@ -97,12 +97,13 @@ $(VENV)/.bench-deps: $(VENV)/.deps
 bench: build $(VENV)/.bench-deps
 	$(PY) -m bench.run
 
-# For a GPU machine without network (bench/gpu_check.sh; carry .gpu-deps): pytest,
-# and a setuptools that reads pyproject.toml's SPDX license (>= 77).
+# For a GPU machine without network (bench/gpu_check.sh; carry .gpu-deps): a
+# setuptools that reads pyproject.toml's SPDX license (>= 77). pytest and
+# pytest-xdist are the machine's own (a second pytest here would shadow the one
+# its xdist was built with).
 gpu-deps:
 	rm -rf .gpu-deps
-	$(PY) -m pip install --quiet --no-deps --target .gpu-deps pytest pluggy iniconfig packaging exceptiongroup \
-		tomli "setuptools>=77"
+	$(PYTHON) -m pip install --quiet --no-deps --target .gpu-deps "setuptools>=77"
 
 clean:
 	rm -rf build *.egg-info accumkernels/_C*.so $(VENV)/.built

@@ -81,7 +81,9 @@ def git_commit() -> str:
         )
         return commit.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        # A copy of the tree without .git (the lent GPU machine gets one): the
+        # caller names the commit it copied.
+        return os.environ.get("ACCUMKERNELS_COMMIT", "unknown")
 
 
 def machine_record(device: torch.device) -> dict:

@@ -2,7 +2,7 @@
 # The GPU run, as one call on a fresh GPU machine that has torch, triton, nvcc
 # and ninja but no network:
 #
-#   make gpu-deps                      # here, once: pytest into .gpu-deps/
+#   make gpu-deps                      # here, once: setuptools into .gpu-deps/
 #   OUT=... bash bench/gpu_check.sh    # there, carrying .gpu-deps
 #
 # In order, each step with its own time limit so that a hang costs one step:
@@ -40,7 +40,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run, log to $OUT/NAME.log, record the 
 : > "$OUT/summary.txt"
 {
     date -u +%Y-%m-%dT%H:%M:%SZ
-    git rev-parse HEAD 2>/dev/null || echo "no git"
+    git rev-parse HEAD 2>/dev/null || echo "commit ${ACCUMKERNELS_COMMIT:-unknown} (no .git here)"
     nvidia-smi
     python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
     python -c "import triton; print('triton', triton.__version__)"
@@ -55,11 +55,14 @@ fi
 python -c "import accumkernels as ak, accumkernels._native as n; print('backends', ak.available_backends(), 'with_cuda', n.with_cuda())" | tee -a "$OUT/summary.txt"
 
 if python -c "import pytest" 2>/dev/null; then
-    step tests-gpu 180 python -m pytest -q -p no:cacheprovider -ra tests/test_cuda.py tests/test_triton.py
-    step tests-on-gpu 180 python -m pytest -q -p no:cacheprovider -m "not slow" -k "cuda" \
+    # Eight pytest-xdist workers where it is installed: the Triton compiles and
+    # the CUDA start-up of each module overlap.
+    workers=$(python -c "import xdist" 2>/dev/null && echo "-n 8 --dist loadscope")
+    step tests-gpu 180 python -m pytest -q -p no:cacheprovider -ra $workers tests/test_cuda.py tests/test_triton.py
+    step tests-on-gpu 180 python -m pytest -q -p no:cacheprovider -ra $workers -m "not slow" -k "cuda" \
         tests/test_accumulate.py tests/test_steps.py tests/test_grad_norm.py tests/test_optimizer.py tests/test_optimizers.py
 else
-    echo "tests: pytest is missing (make gpu-deps here, then carry .gpu-deps)" | tee -a "$OUT/summary.txt"
+    echo "tests: pytest is missing on this machine (carry it as wheels: the device tool README says how)" | tee -a "$OUT/summary.txt"
 fi
 
 step bench-kernels 150 python -m bench.kernels --device cuda --results-dir "$OUT" --out kernels-cuda
