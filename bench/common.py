@@ -69,6 +69,10 @@ def cpu_model() -> str:
 
 
 def git_commit() -> str:
+    # A copy of the tree sent elsewhere (the lent GPU machine gets one, with a
+    # .git that need not be the tree's): the sender names the commit it sent.
+    if os.environ.get("ACCUMKERNELS_COMMIT"):
+        return os.environ["ACCUMKERNELS_COMMIT"]
     root = Path(__file__).resolve().parent.parent
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
@@ -81,9 +85,7 @@ def git_commit() -> str:
         )
         return commit.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.CalledProcessError):
-        # A copy of the tree without .git (the lent GPU machine gets one): the
-        # caller names the commit it copied.
-        return os.environ.get("ACCUMKERNELS_COMMIT", "unknown")
+        return "unknown"
 
 
 def machine_record(device: torch.device) -> dict:

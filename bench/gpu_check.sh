@@ -40,7 +40,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run, log to $OUT/NAME.log, record the 
 : > "$OUT/summary.txt"
 {
     date -u +%Y-%m-%dT%H:%M:%SZ
-    git rev-parse HEAD 2>/dev/null || echo "commit ${ACCUMKERNELS_COMMIT:-unknown} (no .git here)"
+    echo "commit ${ACCUMKERNELS_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
     nvidia-smi
     python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
     python -c "import triton; print('triton', triton.__version__)"

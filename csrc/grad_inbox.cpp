@@ -37,6 +37,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/function.h>  // Node::add_pre_hook (torch < 2.14 does not include it through variable.h)
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/variable.h>
