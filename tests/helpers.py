@@ -119,3 +119,194 @@ def assert_within_summation_noise(ours, reference, alternates, steps: int) -> No
         f"{got:.3g} from the reference, more than {NOISE_FACTOR} x its own summation-order "
         f"noise {noise:.3g} (or {STEP_ULPS} ulps a step)"
     )
+
+
+def opcheck_cases(device="cpu"):
+    """(op name, arguments) for torch.library.opcheck: every op, its options
+    (scale tensor, inf flag, master weights, remainders, bf16 and 8-bit state),
+    on tensors of ``device``."""
+
+    def lists(dtype=torch.float32):
+        return [torch.randn(37, device=device, dtype=dtype), torch.randn(5, 3, device=device, dtype=dtype)]
+
+    scale = torch.tensor([0.5], device=device)
+    found = torch.zeros(1, device=device)
+    steps = [torch.tensor(2.0, device=device), torch.tensor(0.0, device=device)]
+    yield "accumulate_", (lists(), lists(torch.bfloat16), 2.0, None, False, found)
+    yield "accumulate_", (lists(), lists(torch.float16), 1.0, scale, True, None)
+    yield (
+        "sgd_step_and_zero_",
+        (
+            lists(torch.bfloat16),
+            lists(),
+            lists(),
+            lists(),
+            [],
+            0.1,
+            0.9,
+            0.0,
+            0.01,
+            True,
+            False,
+            -1.0,
+            scale,
+            found,
+            True,
+            False,
+            0,
+            [],
+        ),
+    )
+    yield (
+        "sgd_step_and_zero_",
+        (
+            lists(torch.bfloat16),
+            lists(),
+            [],
+            [],
+            [],
+            0.1,
+            0.0,
+            0.0,
+            0.0,
+            False,
+            False,
+            1.0,
+            None,
+            None,
+            False,
+            True,
+            2**32 - 1,
+            [3, 9],
+        ),
+    )
+    for op in ("adam_step_and_zero_", "adamw_step_and_zero_"):
+        yield (
+            op,
+            (
+                lists(),
+                lists(),
+                lists(),
+                [t.abs() for t in lists()],
+                [t.abs() for t in lists()],
+                steps,
+                [],
+                [],
+                [],
+                1e-3,
+                0.9,
+                0.999,
+                1e-8,
+                0.01,
+                True,
+                -1.0,
+                scale,
+                found,
+                True,
+                False,
+                0,
+                [],
+            ),
+        )
+        yield (
+            op,
+            (
+                lists(torch.bfloat16),
+                lists(),
+                lists(),
+                [t.abs() for t in lists()],
+                [],
+                steps,
+                [],
+                [],
+                [],
+                1e-3,
+                0.9,
+                0.999,
+                1e-8,
+                0.0,
+                False,
+                1.0,
+                None,
+                None,
+                False,
+                True,
+                7,
+                [1, 0],
+            ),
+        )
+    # bf16 state, and int16 remainders of bf16 params
+    rems = [torch.zeros(37, device=device, dtype=torch.int16), torch.zeros(5, 3, device=device, dtype=torch.int16)]
+    yield (
+        "sgd_step_and_zero_",
+        (
+            lists(torch.bfloat16),
+            lists(),
+            lists(torch.bfloat16),
+            rems,
+            [],
+            0.1,
+            0.9,
+            0.0,
+            0.01,
+            False,
+            False,
+            1.0,
+            None,
+            found,
+            True,
+            False,
+            3,
+            [],
+        ),
+    )
+    yield (
+        "adamw_step_and_zero_",
+        (
+            lists(),
+            lists(),
+            lists(torch.bfloat16),
+            [t.abs() for t in lists(torch.bfloat16)],
+            [],
+            steps,
+            [],
+            [],
+            [],
+            1e-3,
+            0.9,
+            0.999,
+            1e-8,
+            0.01,
+            False,
+            1.0,
+            scale,
+            None,
+            True,
+            False,
+            5,
+            [],
+        ),
+    )
+
+    # 8-bit state: uint8 codes and a scale per block of 256 (37 and 15 elements: one block each)
+    def codes():
+        return [
+            torch.randint(0, 249, (37,), device=device, dtype=torch.uint8),
+            torch.randint(0, 249, (5, 3), device=device, dtype=torch.uint8),
+        ]
+
+    def block_scales():
+        return [torch.rand(1, device=device), torch.rand(1, device=device)]
+
+    yield (
+        "adamw_step_and_zero_",
+        (lists(torch.bfloat16), lists(), codes(), codes(), [], steps, [], block_scales(), block_scales())
+        + (1e-3, 0.9, 0.999, 1e-8, 0.01, False, 1.0, scale, found, True, True, 5, []),
+    )
+    yield (
+        "sgd_step_and_zero_",
+        (lists(torch.bfloat16), lists(), codes(), [], block_scales())
+        + (0.1, 0.9, 0.0, 0.01, False, False, 1.0, None, found, True, True, 3, []),
+    )
+    yield "grad_norm", (lists(),)
+    yield "grad_norm", (lists() + lists(torch.bfloat16) + lists(torch.float16),)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_fp32_close, random_sizes
+from helpers import assert_fp32_close, opcheck_cases, random_sizes
 
 import accumkernels as ak
 from accumkernels import _native
@@ -272,119 +272,11 @@ def test_grad_norm_deterministic(backend, device):
         assert torch.equal(ak.grad_norm(xs, backend=backend), first)
 
 
-def _opcheck_cases(device):
-    def lists(dtype=torch.float32):
-        return [torch.randn(37, device=device, dtype=dtype), torch.randn(5, 3, device=device, dtype=dtype)]
-
-    scale, found = torch.tensor([0.5], device=device), torch.zeros(1, device=device)
-    steps = [torch.tensor(2.0, device=device), torch.tensor(0.0, device=device)]
-    yield "accumulate_", (lists(), lists(torch.bfloat16), 2.0, None, False, found)
-    yield (
-        "sgd_step_and_zero_",
-        (
-            lists(torch.bfloat16),
-            lists(),
-            lists(),
-            lists(),
-            0.1,
-            0.9,
-            0.0,
-            0.01,
-            True,
-            False,
-            -1.0,
-            scale,
-            found,
-            True,
-            False,
-            0,
-            [],
-        ),
-    )
-    for op in ("adam_step_and_zero_", "adamw_step_and_zero_"):
-        yield (
-            op,
-            (
-                lists(torch.bfloat16),
-                lists(),
-                lists(),
-                [t.abs() for t in lists()],
-                [t.abs() for t in lists()],
-                steps,
-                [],
-                1e-3,
-                0.9,
-                0.999,
-                1e-8,
-                0.01,
-                True,
-                1.0,
-                scale,
-                found,
-                True,
-                True,
-                7,
-                [4, 2],
-            ),
-        )
-    # bf16 state, and int16 remainders of bf16 params
-    rems = [torch.zeros(37, device=device, dtype=torch.int16), torch.zeros(5, 3, device=device, dtype=torch.int16)]
-    yield (
-        "sgd_step_and_zero_",
-        (
-            lists(torch.bfloat16),
-            lists(),
-            lists(torch.bfloat16),
-            rems,
-            0.1,
-            0.9,
-            0.0,
-            0.01,
-            False,
-            False,
-            1.0,
-            None,
-            found,
-            True,
-            False,
-            3,
-            [],
-        ),
-    )
-    yield (
-        "adamw_step_and_zero_",
-        (
-            lists(),
-            lists(),
-            lists(torch.bfloat16),
-            [t.abs() for t in lists(torch.bfloat16)],
-            [],
-            steps,
-            [],
-            1e-3,
-            0.9,
-            0.999,
-            1e-8,
-            0.01,
-            False,
-            1.0,
-            scale,
-            None,
-            True,
-            False,
-            5,
-            [],
-        ),
-    )
-    yield "grad_norm", (lists(),)
-    yield "grad_norm", (lists() + lists(torch.bfloat16) + lists(torch.float16),)
-
-
 @needs_gpu
 @pytest.mark.skipif(not _native.with_cuda(), reason="the extension was built without CUDA")
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck_every_op(device):
-    for op, args in _opcheck_cases(device):
+    for op, args in opcheck_cases(device):
         torch.library.opcheck(getattr(torch.ops.accumkernels, op).default, args)
 
 

@@ -1,7 +1,8 @@
 """The Triton backend beyond the numeric tests (which run it through the shared
 backend fixture, in the interpreter where there is no GPU): every kernel
 variant the launchers produce compiles for sm_90 ahead of time, with 16-byte
-vector accesses where ALIGNED and no fused fp32 multiply-add; every op launches
+vector accesses where ALIGNED, no fused fp32 multiply-add and every buffer
+clear behind a barrier; every op launches
 on its tensors' device; per-call values never recompile; the backend is listed
 only where it runs."""
 
@@ -66,6 +67,15 @@ def test_aligned_variants_use_16_byte_accesses(compiled_variants):
 def test_no_fp32_contraction(compiled_variants):
     fused = [r["name"] for r in compiled_variants if r["fma_f32"]]
     assert not fused, f"variants with fused fp32 multiply-adds (they would round differently): {fused[:5]}"
+
+
+def test_buffer_clears_wait_for_the_loads(compiled_variants):
+    # A step's buffer = 0 after its block read the sums must be ordered behind
+    # every thread's load: the compiler lays the two out apart (8 elements a
+    # thread for 16-bit params, 4 for the fp32 zeros), and without the barrier
+    # the Triton steps of 16-bit params dropped random gradients on an H200.
+    racy = [r["name"] for r in compiled_variants if r["unordered_clears"]]
+    assert not racy, f"variants that clear what they loaded with no barrier between: {racy[:5]}"
 
 
 @pytest.mark.skipif("triton" not in ak.available_backends(), reason="triton does not run here")

@@ -2,7 +2,8 @@
 time for sm_90 without a GPU (run as a script by tests/test_triton.py: the
 Triton interpreter must be off). Prints one JSON line per variant: its name,
 whether it is an ALIGNED variant of a memory kernel, the kinds of global loads
-and stores in its PTX and its count of fused fp32 multiply-adds."""
+and stores in its PTX, its count of fused fp32 multiply-adds and its count of
+unordered clears (in the TTGIR)."""
 
 from __future__ import annotations
 
@@ -161,13 +162,42 @@ KERNELS = {
 }
 
 
+def unordered_clears(ttgir: str) -> int:
+    """Stores of a constant (the clears of the summed buffers) in a loop body
+    that loads, with no barrier between the body's last load and the store.
+    Such a store does not depend on what the body loaded, so the compiler may
+    give it another thread layout than the load of the same elements: without
+    a barrier one thread's zero can land before another thread read the sum."""
+    lines = ttgir.splitlines()
+    count = 0
+    for i, line in enumerate(lines):
+        if "scf.for" not in line:
+            continue
+        close = " " * (len(line) - len(line.lstrip())) + "}"
+        body = []
+        for later in lines[i + 1 :]:
+            if later.rstrip() == close or later.startswith(close + " "):
+                break
+            body.append(later)
+        ordered = True  # no load yet, or a barrier since the last one
+        for op in body:
+            if "tt.load" in op:
+                ordered = False
+            elif re.search(r"\b(?:gpu|ttg)\.barrier\b", op):
+                ordered = True
+            elif (store := re.search(r"tt\.store %[\w.]+, (%[\w.]+)", op)) and store.group(1).startswith("%cst"):
+                count += 0 if ordered else 1
+    return count
+
+
 def compile_one(variant) -> dict:
     name, kernel, types, constexprs, aligned = variant
     fn = KERNELS[kernel]
     signature = {arg: types.get(arg, "constexpr") for arg in fn.arg_names}
     source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     options = {k: v for k, v in _common.OPTIONS.items()} or {"num_warps": _common.NUM_WARPS, "enable_fp_fusion": False}
-    ptx = triton.compile(source, target=TARGET, options=options).asm["ptx"]
+    asm = triton.compile(source, target=TARGET, options=options).asm
+    ptx = asm["ptx"]
     accesses = sorted(set(re.findall(r"\b((?:ld|st)\.global(?:\.[a-z0-9]+)*)", ptx)))
     return {
         "name": name,
@@ -175,6 +205,7 @@ def compile_one(variant) -> dict:
         "aligned": aligned,
         "accesses": accesses,
         "fma_f32": len(re.findall(r"\bfma\.rn(?:\.ftz)?\.f32\b", ptx)),
+        "unordered_clears": unordered_clears(asm["ttgir"]),
     }
 
 

@@ -371,7 +371,7 @@ def step_chunk(
                 False,
             )
             if zero_buffers:
-                tl.store(buffer + offs, zeros)
+                clear_after_block(buffer, offs, zeros, mask=None)
     else:
         for i in range(0, CHUNK, BLOCK):
             offs = start + i + tl.arange(0, BLOCK).to(tl.int64)
@@ -392,7 +392,23 @@ def step_chunk(
                 True,
             )
             if zero_buffers:
-                tl.store(buffer + offs, zeros, mask=offs < n)
+                clear_after_block(buffer, offs, zeros, mask=offs < n)
+
+
+@triton.jit
+def clear_after_block(buffer, offs, zeros, mask):
+    """buffer[offs] = 0 once every thread of the program has read it. The
+    compiler lays out each access on its own (16 bytes a thread: 8 elements
+    where the block works with 16-bit params, 4 for these fp32 zeros), so the
+    threads that clear an element need not be those that loaded it; without the
+    barrier a zero can land before its sum is read, and the step drops that
+    gradient (seen on an H200 with Triton 3.6: bf16 and fp16 params, a different
+    result every run)."""
+    tl.debug_barrier()
+    if mask is None:
+        tl.store(buffer + offs, zeros)
+    else:
+        tl.store(buffer + offs, zeros, mask=mask)
 
 
 # ---- 8-bit state: a tile's blocks of 256 as rows --------------------------------
