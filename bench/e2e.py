@@ -229,14 +229,17 @@ def precision_suite(device: str, quick: bool, progress=print) -> list[dict]:
     return rows
 
 
-def windows_suite(device: str, quick: bool, progress=print, sizes=None, ns=None) -> list[dict]:
-    """Every path over model sizes and window lengths N."""
+def windows_suite(device: str, quick: bool, progress=print, sizes=None, ns=None, paths=None) -> list[dict]:
+    """Every path (or ``paths``) over model sizes and window lengths N."""
     sizes = sizes or (["gpt-d64"] if quick else SUITE_SIZES[device])
     ns = ns or ([4] if quick else [1, 2, 4, 8])
+    unknown = sorted(set(paths or ()) - set(PATHS))
+    if unknown:
+        raise ValueError(f"paths: unknown {unknown}; expected some of {list(PATHS)}")
     rows = []
     for model in sizes:
         for n in ns:
-            for path in PATHS:
+            for path in paths or PATHS:
                 cfg = dict(device=device, path=path, model=model, n_micro=n, micro_batch=4, windows=2 if quick else 3)
                 rows.append(common.in_fresh_process("bench.e2e", cfg))
                 r = rows[-1]
@@ -283,6 +286,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present, else cpu)")
     parser.add_argument("--models", default=None, help=f"comma-separated, of {', '.join(SIZES)}")
     parser.add_argument("--ns", default=None, help="comma-separated window lengths N")
+    parser.add_argument("--paths", default=None, help=f"comma-separated, of {', '.join(PATHS)} (default: all)")
     parser.add_argument("--results-dir", default=None, help="default bench/results/local/")
     args = parser.parse_args(argv)
     if args.one:
@@ -298,6 +302,7 @@ def main(argv=None) -> int:
         False,
         sizes=args.models and args.models.split(","),
         ns=args.ns and [int(n) for n in args.ns.split(",")],
+        paths=args.paths and args.paths.split(","),
     )
     print(common.table(rows, WINDOWS_TABLE))
     print(

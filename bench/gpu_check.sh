@@ -2,19 +2,24 @@
 # The GPU run, as one call on a fresh GPU machine that has torch, triton, nvcc
 # and ninja but no network:
 #
+#   bash bench/gpu_precheck.sh         # here: every source compiles against that machine's torch
 #   make gpu-deps                      # here, once: setuptools into .gpu-deps/
 #   OUT=... bash bench/gpu_check.sh    # there, carrying .gpu-deps
 #
-# In order, each step with its own time limit so that a hang costs one step:
-#   1. build for the GPU present (a CPU-only build is refused: ACCUMKERNELS_REQUIRE_CUDA=1)
+# In order, each step with its own time limit so that a hang costs one step
+# (the times of the 2026-12-04 run on one H200 with 16 cores):
+#   1. build for the GPU present (a CPU-only build is refused: ACCUMKERNELS_REQUIRE_CUDA=1): 188 s
 #   2. the GPU tests: CUDA kernels and Triton on the GPU, every Triton variant
-#      compiled, recompiles, the CUDA-vs-Triton-vs-reference parity
+#      compiled, recompiles, the CUDA-vs-Triton-vs-reference parity: 114 s
 #   3. the numeric and wrapper tests on the GPU targets (reference, cuda and
-#      triton on cuda:0 and, with several GPUs, the last one)
-#   4. the kernel benchmark (64M elements, copy bandwidth as the ceiling)
-#   5. training windows of GPT d=256 and d=1024 (8 layers), N = 1 and 8
+#      triton on cuda:0 and, with several GPUs, the last one): 91 s
+#   4. the kernel benchmark (64M elements, copy bandwidth as the ceiling): 27 s
+#   5. training windows of GPT d=256 and d=1024 (8 layers) at N = 8, plain bf16
+#      against the wrapper's defaults: about 18 s a row (a fresh process each), 4 rows
 # Logs, JSON and a summary go to $OUT (default bench/results/gpu-check); the
-# tables are printed last. About 8 minutes on one H200 with 16 cores.
+# tables are printed last. About 8 minutes in all, which leaves a lent machine
+# of 15 minutes (its start included) no room for a second full run: a rerun
+# takes the steps it needs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/results/gpu-check}"
@@ -66,8 +71,8 @@ else
 fi
 
 step bench-kernels 150 python -m bench.kernels --device cuda --results-dir "$OUT" --out kernels-cuda
-step bench-windows 150 python -m bench.e2e --windows --device cuda --models gpt-d256,gpt-d1024 --ns 1,8 \
-    --results-dir "$OUT"
+step bench-windows 120 python -m bench.e2e --windows --device cuda --models gpt-d256,gpt-d1024 --ns 8 \
+    --paths plain-bf16,ours-hooks --results-dir "$OUT"
 
 echo
 for log in tests-gpu tests-on-gpu; do

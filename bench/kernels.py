@@ -559,7 +559,8 @@ def size_sweep(device: torch.device, sizes: list[int], reps: int) -> list[dict]:
 
 # (figure, numerator key, denominator key, compare, target): "gbps" divides
 # GB/s (key over key), "time" divides median times (slow key over fast key).
-# The targets are those of the issues: CPU (issue 2) and CUDA (issue 3).
+# The targets are those of the issues: CPU (issue 2), CUDA (issue 3), and
+# issue 27's for the bf16-state and 8-bit steps on both.
 HEADLINE = {
     "cpu": [
         ("accumulate_ bf16 GB/s / ceiling GB/s", "accumulate_bf16[{b}]", "ceiling", "gbps", 0.9),
@@ -618,6 +619,21 @@ HEADLINE = {
             "ceiling_adamw",
             "gbps",
             0.85,
+        ),
+        # Issue #27's item 4, as on the CPU.
+        (
+            "AdamW bf16 params: bf16 state GB/s / fp32 state GB/s",
+            "adamw_bf16_state[{b}]",
+            "adamw_bf16_fp32_state[{b}]",
+            "gbps",
+            0.9,
+        ),
+        (
+            "AdamW 8-bit state vs bf16 state (defaults), time",
+            "adamw_bf16_state[{b}]",
+            "adamw_bf16_8bit[{b}]",
+            "time",
+            1.0,
         ),
     ],
 }
