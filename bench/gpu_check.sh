@@ -6,13 +6,17 @@
 #   make gpu-deps                      # here, once: setuptools into .gpu-deps/
 #   OUT=... bash bench/gpu_check.sh    # there, carrying .gpu-deps
 #
+# It writes 9 files; a lent machine returns 8 from its $OUT, so there run it as
+#   R=$OUT; OUT=/tmp/gc bash bench/gpu_check.sh; tar czf $R/gpu-check.tgz -C /tmp gc
+#
 # In order, each step with its own time limit so that a hang costs one step
 # (the times of the 2026-12-04 run on one H200 with 16 cores):
 #   1. build for the GPU present (a CPU-only build is refused: ACCUMKERNELS_REQUIRE_CUDA=1): 188 s
 #   2. the GPU tests: CUDA kernels and Triton on the GPU, every Triton variant
 #      compiled, recompiles, the CUDA-vs-Triton-vs-reference parity: 114 s
 #   3. the numeric and wrapper tests on the GPU targets (reference, cuda and
-#      triton on cuda:0 and, with several GPUs, the last one): 91 s
+#      triton on cuda:0 and, with several GPUs, the last one), 8-bit state and
+#      lean windows included: 91 s without those two (the 2026-12-04 run lacked them)
 #   4. the kernel benchmark (64M elements, copy bandwidth as the ceiling): 27 s
 #   5. training windows of GPT d=256 and d=1024 (8 layers) at N = 8, plain bf16
 #      against the wrapper's defaults: about 18 s a row (a fresh process each), 4 rows
@@ -65,7 +69,8 @@ if python -c "import pytest" 2>/dev/null; then
     workers=$(python -c "import xdist" 2>/dev/null && echo "-n 8 --dist loadscope")
     step tests-gpu 180 python -m pytest -q -p no:cacheprovider -ra $workers tests/test_cuda.py tests/test_triton.py
     step tests-on-gpu 180 python -m pytest -q -p no:cacheprovider -ra $workers -m "not slow" -k "cuda" \
-        tests/test_accumulate.py tests/test_steps.py tests/test_grad_norm.py tests/test_optimizer.py tests/test_optimizers.py
+        tests/test_accumulate.py tests/test_steps.py tests/test_grad_norm.py tests/test_optimizer.py tests/test_optimizers.py \
+        tests/test_state8.py tests/test_lean_window.py tests/test_grad_inbox.py tests/test_validation.py
 else
     echo "tests: pytest is missing on this machine (carry it as wheels: the device tool README says how)" | tee -a "$OUT/summary.txt"
 fi

@@ -19,7 +19,10 @@ on the same device, timed in the same run. On the CPU the AdamW steps are
 also timed on one thread over cache-resident tensors (compute_floor): their
 arithmetic per element, which bounds a step apart from memory.
 
-Every path is checked for correctness before it is timed.
+Before a backend is timed it is checked on 100003 elements: accumulate_ (bf16
+into fp32) and the fp32 AdamW step against float64 and torch; the bf16-param
+AdamW steps (each state, master and buffer kind timed) and SGD bit for bit
+against the reference backend; grad_norm against float64.
 """
 
 from __future__ import annotations
@@ -69,6 +72,80 @@ def _check_adamw(device, backend, n):
     torch.testing.assert_close(p, ref.detach(), rtol=2e-6, atol=2e-6)
     if g.any():
         raise AssertionError(f"adamw_step_and_zero_ [{backend}] did not clear the buffer")
+
+
+def _check_sgd(device, backend, n):
+    """SGD's update rounds once, the same way in every backend: the reference's bits."""
+    out = {}
+    for name in (backend, "reference"):
+        gen = torch.Generator().manual_seed(5)
+        p, g = torch.randn(n, generator=gen).to(device), torch.randn(n, generator=gen).to(device)
+        ak.sgd_step_and_zero_([p], [g], lr=1e-3, backend=name)
+        out[name] = (p, g)
+    if not (torch.equal(out[backend][0], out["reference"][0]) and not out[backend][1].any()):
+        raise AssertionError(f"sgd_step_and_zero_ [{backend}] differs from the reference before timing")
+
+
+def _check_grad_norm(device, backend, n):
+    """The norm of fp32 and bf16 tensors against float64: one fp32 rounding of
+    a float64 sum (relative 2^-24), with room for a float64 summation order."""
+    x = torch.randn(n, device=device)
+    for t in (x, x.bfloat16()):
+        want = torch.linalg.vector_norm(t.double()).item()
+        got = ak.grad_norm([t], backend=backend).item()
+        if abs(got - want) > 2**-23 * want:
+            raise AssertionError(f"grad_norm [{backend}] of a {t.dtype} tensor is {got}, float64 gives {want}")
+
+
+def _check_bf16_step(device, backend, state, master=None, sr=True, grad_dtype=torch.float32, n=100003):
+    """Two AdamW steps of bf16 params with ``state`` ("bf16", "fp32" or "8bit"
+    moments), ``master`` (None, "remainders" or "masters") and a buffer of
+    ``grad_dtype`` (bf16: the step reads the gradient, clearing nothing) give
+    the reference backend's bits, its rounding stream included."""
+
+    def run(name):
+        gen = torch.Generator().manual_seed(7)
+        p = torch.randn(n, generator=gen).bfloat16().to(device)
+        grads = [(torch.randn(n, generator=gen) * 1e-3).to(device, grad_dtype) for _ in range(2)]
+        kinds = {"bf16": torch.bfloat16, "fp32": torch.float32, "8bit": torch.uint8}
+        m, v = torch.zeros(n, device=device, dtype=kinds[state]), torch.zeros(n, device=device, dtype=kinds[state])
+        scales = {}
+        if state == "8bit":
+            from accumkernels import _state8
+
+            scales = dict(
+                exp_avg_scales=[torch.zeros(_state8.scales_numel(n), device=device)],
+                exp_avg_sq_scales=[torch.zeros(_state8.scales_numel(n), device=device)],
+            )
+        extra = {None: None, "remainders": torch.zeros_like(p, dtype=torch.int16), "masters": p.float()}[master]
+        step = torch.zeros((), device=device)
+        for g in grads:
+            ak.adamw_step_and_zero_(
+                [p],
+                [g],
+                [m],
+                [v],
+                [step],
+                **scales,
+                lr=1e-3,
+                zero_buffers=grad_dtype == torch.float32,
+                stochastic_rounding=sr,
+                seed=3,
+                master_params=None if extra is None else [extra],
+                backend=name,
+            )
+        return [p, m, v, *grads, *scales.get("exp_avg_scales", []), *scales.get("exp_avg_sq_scales", [])] + (
+            [] if extra is None else [extra]
+        )
+
+    got, want = run(backend), run("reference")
+    differ = [i for i, (a, b) in enumerate(zip(got, want)) if not torch.equal(a, b)]
+    if differ:
+        raise AssertionError(
+            f"adamw_step_and_zero_ [{backend}] (bf16 params, {state} state, {master or 'no'} master weights, "
+            f"{grad_dtype} buffer) differs from the reference before timing: outputs {differ} of "
+            "[param, exp_avg, exp_avg_sq, buffers, scales, masters]"
+        )
 
 
 def timed_backends(device: torch.device) -> list[str]:
@@ -283,6 +360,9 @@ def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
     m32, v32 = torch.zeros(numel, device=device), torch.zeros(numel, device=device)
     remainders, masters = torch.zeros_like(pb, dtype=torch.int16), pb.float()
     for backend in backends:
+        for state, master, sr in (("bf16", None, True), ("fp32", None, True), ("fp32", "remainders", False)):
+            _check_bf16_step(device, backend, state, master, sr)
+        _check_bf16_step(device, backend, "fp32", "masters", False)
         for key, label, bpe, state, extra, sr in (
             ("adamw_bf16_state", "bf16 params, bf16 state, stochastic rounding (defaults)", 20, (mb, vb), None, True),
             ("adamw_bf16_fp32_state", "bf16 params, fp32 state, stochastic rounding", 28, (m32, v32), None, True),
@@ -315,6 +395,7 @@ def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
     scales_m = torch.zeros(_state8.scales_numel(numel), device=device)
     scales_v = torch.zeros_like(scales_m)
     for backend in backends:
+        _check_bf16_step(device, backend, "8bit")
         group.add(
             f"adamw_bf16_8bit[{backend}]",
             f"adamw_step_and_zero_ bf16 params, 8-bit state, stochastic rounding [{backend}]",
@@ -340,6 +421,8 @@ def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
     # (10.0625 B/element).
     g16 = g.bfloat16()
     for backend in backends:
+        for state in ("bf16", "8bit"):
+            _check_bf16_step(device, backend, state, grad_dtype=torch.bfloat16)
         for key, label, bpe, state, scales in (
             ("adamw_bf16_state_bf16_grad", "bf16 state", 14, (mb, vb), {}),
             (
@@ -416,6 +499,7 @@ def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
 
         group.add(f"sgd_torch_{impl}", f"torch SGD({impl}).step() + grad.zero_()", 16, numel, torch_sgd)
     for backend in backends:
+        _check_sgd(device, backend, 100003)
         group.add(
             f"sgd[{backend}]",
             f"sgd_step_and_zero_ [{backend}]",
@@ -439,6 +523,7 @@ def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
         lambda: torch.linalg.vector_norm(grad_bf16, dtype=torch.float64),
     )
     for backend in backends:
+        _check_grad_norm(device, backend, 100003)
         group.add(
             f"norm[{backend}]",
             f"grad_norm(fp32 buffer) [{backend}]",
