@@ -21,9 +21,9 @@
 #   5. training windows of GPT d=256 and d=1024 (8 layers) at N = 8, plain bf16
 #      against the wrapper's defaults: about 18 s a row (a fresh process each), 4 rows
 # Logs, JSON and a summary go to $OUT (default bench/results/gpu-check); the
-# tables are printed last. About 8 minutes in all, which leaves a lent machine
-# of 15 minutes (its start included) no room for a second full run: a rerun
-# takes the steps it needs.
+# tables are printed last. About 10 minutes in all (the machine's start adds
+# about half a minute), which leaves a lent machine of 15 minutes no room for a
+# second full run: a rerun takes the steps it needs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/results/gpu-check}"
