@@ -125,3 +125,22 @@ def test_headline_ratios_are_paired_by_round_within_a_group():
     assert fused["paired"] and fused["value"] == pytest.approx(3.0)
     mixed = heads["accumulate_ bf16 speedup vs torch mixed add_"]
     assert not mixed["paired"] and mixed["value"] == pytest.approx(3.0)
+
+
+def test_the_gpu_run_tests_every_module_of_the_backend_fixture():
+    # bench/gpu_check.sh names the test files it runs on the GPU targets; one
+    # missing there is a backend's tests that never run on a GPU (the 8-bit
+    # state's were, in the first GPU run). A module takes the targets through a
+    # test's `backend` argument (tests/conftest.py's fixture).
+    import ast
+    import re
+
+    script = (ROOT / "bench" / "gpu_check.sh").read_text()
+    listed = set(re.findall(r"tests/(test_\w+\.py)", script))
+    on_targets = set()
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        tests = [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef)]
+        if any(n.name.startswith("test_") and "backend" in [a.arg for a in n.args.args] for n in tests):
+            on_targets.add(path.name)
+    assert "test_state8.py" in on_targets
+    assert not on_targets - listed, f"gpu_check.sh does not run {sorted(on_targets - listed)}"
