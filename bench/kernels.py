@@ -97,27 +97,28 @@ def _check_grad_norm(device, backend, n):
             raise AssertionError(f"grad_norm [{backend}] of a {t.dtype} tensor is {got}, float64 gives {want}")
 
 
-def _check_bf16_step(device, backend, state, master=None, sr=True, grad_dtype=torch.float32, n=100003):
-    """Two AdamW steps of bf16 params with ``state`` ("bf16", "fp32" or "8bit"
-    moments), ``master`` (None, "remainders" or "masters") and a buffer of
-    ``grad_dtype`` (bf16: the step reads the gradient, clearing nothing) give
-    the reference backend's bits, its rounding stream included."""
+def _check_bf16_step(device, backend, state_dtype, master_dtype=None, sr=True, grad_dtype=torch.float32, n=100003):
+    """Two AdamW steps of bf16 params with moments of ``state_dtype`` (bf16,
+    fp32, or uint8: 8-bit codes), master weights of ``master_dtype`` (None,
+    int16 remainders or fp32 masters) and a buffer of ``grad_dtype`` (bf16: the
+    step reads the gradient, clearing nothing) give the reference backend's
+    bits, its rounding stream included."""
 
     def run(name):
         gen = torch.Generator().manual_seed(7)
         p = torch.randn(n, generator=gen).bfloat16().to(device)
         grads = [(torch.randn(n, generator=gen) * 1e-3).to(device, grad_dtype) for _ in range(2)]
-        kinds = {"bf16": torch.bfloat16, "fp32": torch.float32, "8bit": torch.uint8}
-        m, v = torch.zeros(n, device=device, dtype=kinds[state]), torch.zeros(n, device=device, dtype=kinds[state])
+        m, v = torch.zeros(n, device=device, dtype=state_dtype), torch.zeros(n, device=device, dtype=state_dtype)
         scales = {}
-        if state == "8bit":
+        if state_dtype == torch.uint8:
             from accumkernels import _state8
 
             scales = dict(
                 exp_avg_scales=[torch.zeros(_state8.scales_numel(n), device=device)],
                 exp_avg_sq_scales=[torch.zeros(_state8.scales_numel(n), device=device)],
             )
-        extra = {None: None, "remainders": torch.zeros_like(p, dtype=torch.int16), "masters": p.float()}[master]
+        masters = {None: None, torch.int16: torch.zeros_like(p, dtype=torch.int16), torch.float32: p.float()}
+        extra = masters[master_dtype]
         step = torch.zeros((), device=device)
         for g in grads:
             ak.adamw_step_and_zero_(
@@ -142,7 +143,7 @@ def _check_bf16_step(device, backend, state, master=None, sr=True, grad_dtype=to
     differ = [i for i, (a, b) in enumerate(zip(got, want)) if not torch.equal(a, b)]
     if differ:
         raise AssertionError(
-            f"adamw_step_and_zero_ [{backend}] (bf16 params, {state} state, {master or 'no'} master weights, "
+            f"adamw_step_and_zero_ [{backend}] (bf16 params, {state_dtype} state, {master_dtype} master weights, "
             f"{grad_dtype} buffer) differs from the reference before timing: outputs {differ} of "
             "[param, exp_avg, exp_avg_sq, buffers, scales, masters]"
         )
@@ -360,15 +361,13 @@ def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
     m32, v32 = torch.zeros(numel, device=device), torch.zeros(numel, device=device)
     remainders, masters = torch.zeros_like(pb, dtype=torch.int16), pb.float()
     for backend in backends:
-        for state, master, sr in (("bf16", None, True), ("fp32", None, True), ("fp32", "remainders", False)):
-            _check_bf16_step(device, backend, state, master, sr)
-        _check_bf16_step(device, backend, "fp32", "masters", False)
         for key, label, bpe, state, extra, sr in (
             ("adamw_bf16_state", "bf16 params, bf16 state, stochastic rounding (defaults)", 20, (mb, vb), None, True),
             ("adamw_bf16_fp32_state", "bf16 params, fp32 state, stochastic rounding", 28, (m32, v32), None, True),
             ("adamw_bf16_remainders", "bf16 params + int16 remainders, fp32 state", 32, (m32, v32), remainders, False),
             ("adamw_bf16_master", "bf16 params + fp32 master weights, fp32 state", 36, (m32, v32), masters, False),
         ):
+            _check_bf16_step(device, backend, state[0].dtype, None if extra is None else extra.dtype, sr)
             group.add(
                 f"{key}[{backend}]",
                 f"adamw_step_and_zero_ {label} [{backend}]",
@@ -395,7 +394,7 @@ def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
     scales_m = torch.zeros(_state8.scales_numel(numel), device=device)
     scales_v = torch.zeros_like(scales_m)
     for backend in backends:
-        _check_bf16_step(device, backend, "8bit")
+        _check_bf16_step(device, backend, codes_m.dtype)
         group.add(
             f"adamw_bf16_8bit[{backend}]",
             f"adamw_step_and_zero_ bf16 params, 8-bit state, stochastic rounding [{backend}]",
@@ -421,8 +420,6 @@ def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
     # (10.0625 B/element).
     g16 = g.bfloat16()
     for backend in backends:
-        for state in ("bf16", "8bit"):
-            _check_bf16_step(device, backend, state, grad_dtype=torch.bfloat16)
         for key, label, bpe, state, scales in (
             ("adamw_bf16_state_bf16_grad", "bf16 state", 14, (mb, vb), {}),
             (
@@ -433,6 +430,7 @@ def run(device: torch.device, numel: int, reps: int, quick: bool) -> dict:
                 dict(exp_avg_scales=[scales_m], exp_avg_sq_scales=[scales_v]),
             ),
         ):
+            _check_bf16_step(device, backend, state[0].dtype, grad_dtype=g16.dtype)
             group.add(
                 f"{key}[{backend}]",
                 f"adamw_step_and_zero_ bf16 params, {label}, from the bf16 gradient (no buffer) [{backend}]",

@@ -405,10 +405,7 @@ def clear_after_block(buffer, offs, zeros, mask):
     gradient (seen on an H200 with Triton 3.6: bf16 and fp16 params, a different
     result every run)."""
     tl.debug_barrier()
-    if mask is None:
-        tl.store(buffer + offs, zeros)
-    else:
-        tl.store(buffer + offs, zeros, mask=mask)
+    tl.store(buffer + offs, zeros, mask=mask)
 
 
 # ---- 8-bit state: a tile's blocks of 256 as rows --------------------------------
