@@ -163,17 +163,30 @@ def _random_8bit_state(sizes, generator):
     return out
 
 
-def _step_8bit(backend, adamw, params, grads, state, steps=3, grad_scale=1.0):
-    """``steps`` Adam(W) steps over copies of the inputs; returns (params, m codes, v codes, m scales, v scales)."""
-    p = [x.clone() for x in params]
-    m, v = [c.clone() for (c, _), _ in state], [c.clone() for _, (c, _) in state]
+# Where the steps' inputs start in their storage, in elements: (params and
+# buffers, codes). A kernel that moves a lane's elements as packs (CUDA's)
+# checks every list's alignment and takes them one by one where any is off.
+LAYOUTS = {"aligned": (0, 0), "codes-offset": (0, 1), "all-offset": (1, 1)}
+
+
+def _placed(x, offset):
+    """A copy of ``x`` that starts ``offset`` elements into its storage."""
+    return torch.empty(x.numel() + offset, dtype=x.dtype)[offset:].copy_(x)
+
+
+def _step_8bit(backend, adamw, params, grads, state, steps=3, grad_scale=1.0, layout=(0, 0)):
+    """``steps`` Adam(W) steps over copies of the inputs (placed at ``layout``'s
+    offsets); returns (params, m codes, v codes, m scales, v scales)."""
+    at, codes_at = layout
+    p = [_placed(x, at) for x in params]
+    m, v = [_placed(c, codes_at) for (c, _), _ in state], [_placed(c, codes_at) for _, (c, _) in state]
     ms, vs = [s.clone() for (_, s), _ in state], [s.clone() for _, (_, s) in state]
     counts = [torch.tensor(3.0) for _ in params]
     fn = ak.adamw_step_and_zero_ if adamw else ak.adam_step_and_zero_
     for k in range(steps):
         fn(
             p,
-            [g.clone() for g in grads],
+            [_placed(g, at) for g in grads],
             m,
             v,
             counts,
@@ -190,11 +203,13 @@ def _step_8bit(backend, adamw, params, grads, state, steps=3, grad_scale=1.0):
     return p, m, v, ms, vs
 
 
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 @pytest.mark.parametrize("adamw", [True, False], ids=["adamw-decay", "adam"])
-def test_every_backend_steps_8bit_state_to_the_reference_bits(backend, adamw):
+def test_every_backend_steps_8bit_state_to_the_reference_bits(backend, adamw, layout):
     """The kernels compute the reference's formula in the same fp32
     operations (the reference's sqrt correctly rounded, as sqrtf), and their
-    blocks follow each tensor's memory order whatever the chunking: codes,
+    blocks follow each tensor's memory order whatever the chunking and
+    wherever the tensors start in their storage: codes,
     scales equal the reference's to the bit after three steps (encoded
     stochastically from the same draws). They do not depend on the bias
     corrections, whose pow may differ by an ulp between backends (Adam runs
@@ -204,7 +219,7 @@ def test_every_backend_steps_8bit_state_to_the_reference_bits(backend, adamw):
     params = [(torch.randn(n, generator=g)).to(d) for n, d in zip(STEP_SIZES, STEP_DTYPES)]
     grads = [torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 2) for n in STEP_SIZES]
     state = _random_8bit_state(STEP_SIZES, g)
-    ours = _step_8bit(backend, adamw, params, grads, state)
+    ours = _step_8bit(backend, adamw, params, grads, state, layout=layout)
     ref = _step_8bit("reference", adamw, params, grads, state)
     for k, name in enumerate(("params", "exp_avg codes", "exp_avg_sq codes", "exp_avg scales", "exp_avg_sq scales")):
         for i, n in enumerate(STEP_SIZES):
@@ -460,14 +475,16 @@ def test_uint8_momentum_without_scales_is_refused():
         )
 
 
-def _sgd_8bit(backend, params, grads, state, is_first: list[bool], nesterov=False):
-    """SGD steps (momentum 0.9) over copies of the inputs; returns (params, codes, scales)."""
-    p = [x.clone() for x in params]
-    codes, scales = [c.clone() for c, _ in state], [s.clone() for _, s in state]
+def _sgd_8bit(backend, params, grads, state, is_first: list[bool], nesterov=False, layout=(0, 0)):
+    """SGD steps (momentum 0.9) over copies of the inputs (placed at
+    ``layout``'s offsets); returns (params, codes, scales)."""
+    at, codes_at = layout
+    p = [_placed(x, at) for x in params]
+    codes, scales = [_placed(c, codes_at) for c, _ in state], [s.clone() for _, s in state]
     for k, first in enumerate(is_first):
         ak.sgd_step_and_zero_(
             p,
-            [g.clone() for g in grads],
+            [_placed(g, at) for g in grads],
             codes,
             momentum_buffer_scales=scales,
             lr=0.05,
@@ -483,17 +500,19 @@ def _sgd_8bit(backend, params, grads, state, is_first: list[bool], nesterov=Fals
     return p, codes, scales
 
 
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 @pytest.mark.parametrize("nesterov", [False, True], ids=["dampening", "nesterov"])
-def test_every_backend_steps_8bit_momentum_to_the_reference_bits(backend, nesterov):
+def test_every_backend_steps_8bit_momentum_to_the_reference_bits(backend, nesterov, layout):
     """SGD's momentum buffer in 8 bits (stored as exp_avg): a first step and two
-    running ones; SGD's update has no pow, so codes, scales and params (bf16
-    ones rounded stochastically) all equal the reference's to the bit."""
+    running ones, the inputs placed as ``layout`` says; SGD's update has no pow,
+    so codes, scales and params (bf16 ones rounded stochastically) all equal
+    the reference's to the bit."""
     g = _generator()
     params = [(torch.randn(n, generator=g)).to(d) for n, d in zip(STEP_SIZES, STEP_DTYPES)]
     grads = [torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 2) for n in STEP_SIZES]
     state = [m for m, _ in _random_8bit_state(STEP_SIZES, g)]
     steps = [True, False, False]
-    ours = _sgd_8bit(backend, params, grads, state, steps, nesterov)
+    ours = _sgd_8bit(backend, params, grads, state, steps, nesterov, layout)
     ref = _sgd_8bit("reference", params, grads, state, steps, nesterov)
     for k, name in enumerate(("params", "codes", "scales")):
         for i, n in enumerate(STEP_SIZES):

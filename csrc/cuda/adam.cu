@@ -78,9 +78,10 @@ struct AdamFunctor {
 
 // 8-bit state (formulas.h's decode_/encode_exp_avg and _exp_avg_sq). Lists as
 // AdamFunctor's, then 7 exp_avg scales, 8 exp_avg_sq scales (one fp32 per
-// block of kState8Block). A warp per block (step.cuh): decode, update and
-// store the param, keep the new moments (exp_avg_sq as r = sqrt(v)) in
-// registers, take the block's new scales across the warp, then encode.
+// block of kState8Block). A warp per block, kPerLane adjacent elements a lane
+// (step.cuh's Lane): decode, update and store the param, keep the new moments
+// (exp_avg_sq as r = sqrt(v)) in registers, take the block's new scales across
+// the warp, then encode.
 constexpr int kLists8 = 9;
 
 template <Dtype P, WeightsKind K, Dtype G>
@@ -102,25 +103,30 @@ struct Adam8Functor {
     const AdamStepScalars s = adam_bias_corrections(h, step);
     const float gs = scale.scale();
     const AdamFlags flags = adam_flags(h);
+    const bool vector_ok = aligned_for_lanes<P, K, G>(w, buffer, m_codes, v_codes);
     const int lane = static_cast<int>(threadIdx.x) % kWarp;
     const int warps = static_cast<int>(blockDim.x) / kWarp;
     const int64_t blocks = (n + kState8Block - 1) / kState8Block;
     for (int64_t b = threadIdx.x / kWarp; b < blocks; b += warps) {
+      const Lane l(b, lane, n, vector_ok);
       const float m_scale = m_scales[b];
       const float v_scale = v_scales[b];
-      float m_new[kPerLane], r_new[kPerLane];
+      float p[kPerLane], g[kPerLane], m_new[kPerLane], r_new[kPerLane];
+      uint8_t mc[kPerLane], vc[kPerLane];
+      lane_load_update_inputs<P, K, G>(l, w, buffer, p, g);
+      lane_load_codes(l, m_codes, mc);
+      lane_load_codes(l, v_codes, vc);
       float m_max = 0.0f, r_max = 0.0f;
       bool m_nan = false, r_nan = false;
 #pragma unroll
       for (int k = 0; k < kPerLane; ++k) {
-        const int64_t i = b * kState8Block + k * kWarp + lane;
         m_new[k] = 0.0f;
         r_new[k] = 0.0f;
-        if (i >= n) continue;
-        float m = decode_exp_avg(m_codes[i], m_scale);
-        float v = decode_exp_avg_sq(v_codes[i], v_scale);
+        if (k >= l.count) continue;
+        float m = decode_exp_avg(mc[k], m_scale);
+        float v = decode_exp_avg_sq(vc[k], v_scale);
         float v_max = 0.0f;
-        w.store(i, adam_update(w.load(i), gs * Storage<G>::load(buffer[i]), m, v, v_max, h, s, flags), sr);
+        p[k] = adam_update(p[k], gs * g[k], m, v, v_max, h, s, flags);
         const float r = sqrtf(v);
         m_new[k] = m;
         r_new[k] = r;
@@ -128,19 +134,20 @@ struct Adam8Functor {
         r_max = r_max > r ? r_max : r;
         m_nan |= m != m;
         r_nan |= r != r;
-        if (zero_buffers) buffer[i] = {};
       }
+      lane_store_weights(l, w, p, sr, buffer, zero_buffers);
       const float m_scale_new = warp_block_scale(m_max, m_nan);
       const float r_scale_new = warp_block_scale(r_max, r_nan);
       const float m_divisor = state8_divisor(m_scale_new);
       const float r_divisor = state8_divisor(r_scale_new);
 #pragma unroll
       for (int k = 0; k < kPerLane; ++k) {
-        const int64_t i = b * kState8Block + k * kWarp + lane;
-        if (i >= n) continue;
-        m_codes[i] = encode_exp_avg(m_new[k], m_divisor, sr_draw<1>(sr, i));
-        v_codes[i] = encode_exp_avg_sq(r_new[k], r_divisor, sr_draw<2>(sr, i));
+        const uint32_t draws = sr_draws_1_2(sr, l.first + k);
+        mc[k] = encode_exp_avg(m_new[k], m_divisor, draws);
+        vc[k] = encode_exp_avg_sq(r_new[k], r_divisor, draws >> sr_slot_shift(2));
       }
+      lane_store_codes(l, m_codes, mc);
+      lane_store_codes(l, v_codes, vc);
       if (lane == 0) {
         m_scales[b] = m_scale_new;
         v_scales[b] = r_scale_new;

@@ -55,7 +55,8 @@ struct SgdFunctor {
 };
 
 // 8-bit momentum buffers (stored as exp_avg, formulas.h): lists as
-// SgdFunctor's, then 4 their block scales; a warp per block (step.cuh).
+// SgdFunctor's, then 4 their block scales; a warp per block, kPerLane adjacent
+// elements a lane (step.cuh's Lane).
 constexpr int kLists8 = 5;
 
 template <Dtype P, WeightsKind K, Momentum kMomentum, Dtype G>
@@ -72,33 +73,35 @@ struct Sgd8Functor {
     float* scales = chunk_floats(meta, 4, t, start / kState8Block);
     const SrChunk sr = chunk_draws(meta, t, start, seed);
     const float gs = scale.scale();
+    const bool vector_ok = aligned_for_lanes<P, K, G>(w, buffer, codes, codes);
     const int lane = static_cast<int>(threadIdx.x) % kWarp;
     const int warps = static_cast<int>(blockDim.x) / kWarp;
     const int64_t blocks = (n + kState8Block - 1) / kState8Block;
     for (int64_t blk = threadIdx.x / kWarp; blk < blocks; blk += warps) {
+      const Lane l(blk, lane, n, vector_ok);
       const float old_scale = scales[blk];
-      float b_new[kPerLane];
+      float p[kPerLane], g[kPerLane], b_new[kPerLane];
+      uint8_t c[kPerLane];
+      lane_load_update_inputs<P, K, G>(l, w, buffer, p, g);
+      if (kMomentum == Momentum::kRunning) lane_load_codes(l, codes, c);
       float b_max = 0.0f;
       bool b_nan = false;
 #pragma unroll
       for (int k = 0; k < kPerLane; ++k) {
-        const int64_t i = blk * kState8Block + k * kWarp + lane;
         b_new[k] = 0.0f;
-        if (i >= n) continue;
-        float b = kMomentum == Momentum::kRunning ? decode_exp_avg(codes[i], old_scale) : 0.0f;
-        w.store(i, sgd_update<kMomentum>(w.load(i), gs * Storage<G>::load(buffer[i]), b, h), sr);
+        if (k >= l.count) continue;
+        float b = kMomentum == Momentum::kRunning ? decode_exp_avg(c[k], old_scale) : 0.0f;
+        p[k] = sgd_update<kMomentum>(p[k], gs * g[k], b, h);
         b_new[k] = b;
         b_max = b_max > fabsf(b) ? b_max : fabsf(b);
         b_nan |= b != b;
-        if (zero_buffers) buffer[i] = {};
       }
+      lane_store_weights(l, w, p, sr, buffer, zero_buffers);
       const float new_scale = warp_block_scale(b_max, b_nan);
       const float divisor = state8_divisor(new_scale);
 #pragma unroll
-      for (int k = 0; k < kPerLane; ++k) {
-        const int64_t i = blk * kState8Block + k * kWarp + lane;
-        if (i < n) codes[i] = encode_exp_avg(b_new[k], divisor, sr_draw<1>(sr, i));
-      }
+      for (int k = 0; k < kPerLane; ++k) c[k] = encode_exp_avg(b_new[k], divisor, sr_draw<1>(sr, l.first + k));
+      lane_store_codes(l, codes, c);
       if (lane == 0) scales[blk] = new_scale;
     }
   }
