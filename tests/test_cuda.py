@@ -78,15 +78,18 @@ def _cuobjdump() -> Path | None:
     return next((p for p in found if p.exists()), None)
 
 
+CUOBJDUMP = _cuobjdump()
+
+
 @pytest.mark.skipif(not _native.with_cuda(), reason="the extension was built without CUDA")
-@pytest.mark.skipif(_cuobjdump() is None, reason="no cuobjdump (CUDA toolkit or Triton)")
+@pytest.mark.skipif(CUOBJDUMP is None, reason="no cuobjdump (CUDA toolkit or Triton)")
 def test_8bit_steps_move_a_lanes_codes_in_one_access():
     """The compiled 8-bit steps (every architecture built, every variant) read
     and write each code array 8 codes at a time (one 8-byte access a lane) and
     their params and sums in 16-byte ones: the layout that replaced one byte an
     access, which ran the Adam step at 0.34 of the copy's bandwidth on an H200."""
     sass = subprocess.run(
-        [str(_cuobjdump()), "-sass", _native._C.__file__], capture_output=True, text=True, check=True
+        [str(CUOBJDUMP), "-sass", _native._C.__file__], capture_output=True, text=True, check=True
     ).stdout
     kernels = {}
     for text in sass.split("Function : ")[1:]:
@@ -94,8 +97,7 @@ def test_8bit_steps_move_a_lanes_codes_in_one_access():
         if "Adam8Functor" in name or "Sgd8Functor" in name:
             kernels.setdefault(name, []).append(text)
     # Every kind is there: Adam, SGD's first step (Momentum 1) and running momentum (2).
-    kinds = {"Adam8Functor", "Sgd8FunctorILNS_5DtypeE0ELNS_11WeightsKindE0ELNS_8MomentumE1E"}
-    kinds |= {"Sgd8FunctorILNS_5DtypeE0ELNS_11WeightsKindE0ELNS_8MomentumE2E"}
+    kinds = ("Adam8Functor", "MomentumE1E", "MomentumE2E")
     assert all(any(kind in name for name in kernels) for kind in kinds), sorted(kernels)
     for name, texts in kernels.items():
         # Adam reads and writes two code arrays; SGD one, which its first step only writes.

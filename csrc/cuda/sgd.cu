@@ -73,7 +73,7 @@ struct Sgd8Functor {
     float* scales = chunk_floats(meta, 4, t, start / kState8Block);
     const SrChunk sr = chunk_draws(meta, t, start, seed);
     const float gs = scale.scale();
-    const bool vector_ok = aligned_for_lanes<P, K, G>(w, buffer, codes, codes);
+    const bool vector_ok = aligned_for_lanes<P, K, G>(w, buffer, codes);
     const int lane = static_cast<int>(threadIdx.x) % kWarp;
     const int warps = static_cast<int>(blockDim.x) / kWarp;
     const int64_t blocks = (n + kState8Block - 1) / kState8Block;

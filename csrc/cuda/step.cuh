@@ -180,11 +180,11 @@ struct Lane {
 };
 
 // Whether a chunk's weights, buffer and code arrays allow the lanes' packs.
-template <Dtype P, WeightsKind K, Dtype G>
+template <Dtype P, WeightsKind K, Dtype G, typename... Codes>
 __device__ __forceinline__ bool aligned_for_lanes(const Weights<P, K>& w, const typename Storage<G>::type* buffer,
-                                                  const uint8_t* codes0, const uint8_t* codes1) {
+                                                  const Codes*... codes) {
   return aligned_for_packs<kPerLane>(w) && aligned<typename Storage<G>::type, kPerLane>(buffer) &&
-         aligned<uint8_t, kPerLane>(codes0) && aligned<uint8_t, kPerLane>(codes1);
+         (aligned<uint8_t, kPerLane>(codes) && ...);
 }
 
 // A lane's weights and gradients (the buffer's values) as floats; its codes.
