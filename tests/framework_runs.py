@@ -38,6 +38,13 @@ def params_of(model) -> list[list[float]]:
     return [p.detach().double().flatten().tolist() for p in model.parameters() if p.requires_grad]
 
 
+def state_kinds(opt) -> list[str]:
+    """The optimizer's per-param state as sorted "key:dtype" strings, read from
+    its state_dict (what a checkpoint holds)."""
+    state = opt.state_dict()["state"]
+    return sorted({f"{k}:{str(v.dtype).removeprefix('torch.')}" for s in state.values() for k, v in s.items()})
+
+
 def make_optimizer(params, wrap: bool, **wrapper_options):
     inner = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
     return ak.AccumulatingOptimizer(inner, **wrapper_options) if wrap else inner
@@ -300,12 +307,14 @@ def own_loop_scaler(wrap: bool, loop: str) -> dict:
 # ---- the drop-in class, built by the framework --------------------------------------
 
 
-def hf_trainer_class(wrap: bool) -> dict:
+def hf_trainer_class(wrap: bool, state_dtype: str | None = None) -> dict:
     """Trainer builds the optimizer itself (its own param groups: no weight decay
     on biases and norms), its scheduler (cosine with warm-up), clips, trains in
     bf16, saves a checkpoint at step 2; a second Trainer resumes from it. Plain:
     Trainer's default AdamW; ours: optimizer_cls_and_kwargs=(accumkernels.AdamW,
-    the same lr, betas and eps)."""
+    the same lr, betas and eps). ``state_dtype="8bit"``: ours holds 8-bit
+    moments, and both runs train a model of bf16 params (a bitsandbytes
+    user's setting)."""
     import shutil
 
     from transformers import Trainer, TrainingArguments
@@ -336,11 +345,12 @@ def hf_trainer_class(wrap: bool) -> dict:
         )
         kwargs = {}
         if wrap:
-            kwargs["optimizer_cls_and_kwargs"] = (
-                ak.AdamW,
-                {"lr": args.learning_rate, "eps": args.adam_epsilon, "betas": (args.adam_beta1, args.adam_beta2)},
-            )
-        return Trainer(model=tiny_llama(), args=args, train_dataset=TokenData(), **kwargs)
+            options = {"lr": args.learning_rate, "eps": args.adam_epsilon, "betas": (args.adam_beta1, args.adam_beta2)}
+            if state_dtype is not None:
+                options["state_dtype"] = state_dtype
+            kwargs["optimizer_cls_and_kwargs"] = (ak.AdamW, options)
+        model = tiny_llama() if state_dtype is None else tiny_llama().bfloat16()
+        return Trainer(model=model, args=args, train_dataset=TokenData(), **kwargs)
 
     straight = trainer()
     straight.train()
@@ -355,13 +365,14 @@ def hf_trainer_class(wrap: bool) -> dict:
         "lrs": [h.get("learning_rate") for h in logs],
         "weight_decays": sorted(g["weight_decay"] for g in straight.optimizer.param_groups),
         "class": type(getattr(straight.optimizer, "optimizer", straight.optimizer)).__name__,
+        "state": state_kinds(straight.optimizer),
     }
 
 
-def lightning_class(wrap: bool) -> dict:
+def lightning_class(wrap: bool, state_dtype: str | None = None) -> dict:
     """configure_optimizers returns the class with a scheduler dict (stepped per
     optimizer step); 2 epochs straight, and 1 epoch, a checkpoint, a new
-    Trainer resuming from it for the second."""
+    Trainer resuming from it for the second. ``state_dtype``: ours's."""
     import pytorch_lightning as pl
 
     class Module(pl.LightningModule):
@@ -379,8 +390,9 @@ def lightning_class(wrap: bool) -> dict:
             self.logged.append(float(grad_norm(self, norm_type=2)["grad_2.0_norm_total"]))
 
         def configure_optimizers(self):
+            options = {} if state_dtype is None or not wrap else {"state_dtype": state_dtype}
             cls = ak.AdamW if wrap else torch.optim.AdamW
-            opt = cls(self.parameters(), lr=1e-2, weight_decay=0.01)
+            self.opt = opt = cls(self.parameters(), lr=1e-2, weight_decay=0.01, **options)
             scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
             return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
@@ -410,12 +422,17 @@ def lightning_class(wrap: bool) -> dict:
     trainer.save_checkpoint(path)
     resumed, _ = fit(2, ckpt=path)
     os.remove(path)
-    return {"params": params_of(straight.net), "resumed": params_of(resumed.net), "logged_norms": straight.logged}
+    return {
+        "params": params_of(straight.net),
+        "resumed": params_of(resumed.net),
+        "logged_norms": straight.logged,
+        "state": state_kinds(straight.opt),
+    }
 
 
-def accelerate_state(wrap: bool) -> dict:
+def accelerate_state(wrap: bool, state_dtype: str | None = None) -> dict:
     """accelerator.save_state after 2 windows, load_state into fresh objects,
-    2 more windows; against 4 windows straight."""
+    2 more windows; against 4 windows straight. ``state_dtype``: ours's."""
     import shutil
 
     from accelerate import Accelerator
@@ -426,7 +443,8 @@ def accelerate_state(wrap: bool) -> dict:
     def setup():
         accelerator = Accelerator(gradient_accumulation_steps=4, cpu=True)
         model = mlp()
-        opt = (ak.AdamW if wrap else torch.optim.AdamW)(model.parameters(), lr=1e-2, weight_decay=0.01)
+        options = {} if state_dtype is None or not wrap else {"state_dtype": state_dtype}
+        opt = (ak.AdamW if wrap else torch.optim.AdamW)(model.parameters(), lr=1e-2, weight_decay=0.01, **options)
         scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
         loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
         return accelerator, *accelerator.prepare(model, opt, loader, scheduler)
@@ -446,6 +464,7 @@ def accelerate_state(wrap: bool) -> dict:
     accelerator, model, opt, loader, scheduler = setup()
     train(accelerator, model, opt, loader, scheduler, 4)
     straight = params_of(accelerator.unwrap_model(model))
+    state = state_kinds(opt)
     accelerator, model, opt, loader, scheduler = setup()
     train(accelerator, model, opt, loader, scheduler, 2)
     accelerator.save_state(folder)
@@ -455,7 +474,7 @@ def accelerate_state(wrap: bool) -> dict:
     loader = accelerator.prepare(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xs, ys), batch_size=4))
     train(accelerator, model, opt, loader, scheduler, 2)
     shutil.rmtree(folder, ignore_errors=True)
-    return {"params": straight, "resumed": params_of(accelerator.unwrap_model(model))}
+    return {"params": straight, "resumed": params_of(accelerator.unwrap_model(model)), "state": state}
 
 
 # ---- what the frameworks must not train silently wrong --------------------------------

@@ -3,7 +3,9 @@ plain AdamW run through the same framework (tests/framework_runs.py): HF
 Trainer (transformers 5.x, and 4.x where installed beside it), PEFT LoRA,
 Accelerate, Lightning ("32", "bf16-mixed", "16-mixed", manual optimization),
 a GradScaler the wrapper was not given, and 2-process runs (DDP on gloo) of
-Accelerate and HF Trainer. Clipping is on and active everywhere.
+Accelerate and HF Trainer. Clipping is on and active everywhere. The
+frameworks' checkpoints also carry 8-bit state (codes and scales) across a
+resume.
 
 The framework packages are test dependencies (make test installs them); where
 one is missing its tests skip, unless ACCUMKERNELS_REQUIRE_FRAMEWORKS=1 (set
@@ -153,6 +155,40 @@ def test_accelerate_saves_and_loads_the_class():
     assert rel_diff(ours["params"], plain["params"]) <= 1e-5
     assert rel_diff(ours["resumed"], ours["params"]) <= 1e-6
     assert rel_diff(plain["resumed"], plain["params"]) <= 1e-6
+
+
+EIGHT_BIT_STATE = [
+    "exp_avg_codes:uint8",
+    "exp_avg_scales:float32",
+    "exp_avg_sq_codes:uint8",
+    "exp_avg_sq_scales:float32",
+    "step:float32",
+]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("hf_trainer_class", marks=needs("transformers", "accelerate")),
+        pytest.param("lightning_class", marks=needs("pytorch_lightning")),
+        pytest.param("accelerate_state", marks=needs("accelerate")),
+    ],
+)
+def test_8bit_state_resumes_through_the_framework(name):
+    """The class with state_dtype="8bit", built and checkpointed by the
+    framework (HF Trainer on bf16 params, Lightning, Accelerate): the
+    checkpoint holds the codes and scales, and resuming from it trains to the
+    straight run's params bit for bit (the moments' codes and the stochastic
+    roundings' draws continue where they stopped)."""
+    result = run(name, state_dtype="8bit")
+    plain, ours = result["plain"], result["ours"]
+    assert ours["state"] == EIGHT_BIT_STATE
+    assert "exp_avg:float32" in plain["state"] or "exp_avg:bfloat16" in plain["state"]
+    assert ours["resumed"] == ours["params"]
+    assert ours["params"] != plain["params"]  # the 8-bit moments are not torch's fp32 ones
+    if name == "hf_trainer_class":
+        assert ours["class"] == "AdamW" and ours["lrs"] == plain["lrs"]
+        assert ours["weight_decays"] == plain["weight_decays"] == [0.0, 0.1]
 
 
 @needs("transformers", "accelerate", "pytorch_lightning")
