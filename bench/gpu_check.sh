@@ -6,7 +6,7 @@
 #   make gpu-deps                      # here, once: setuptools into .gpu-deps/
 #   OUT=... bash bench/gpu_check.sh    # there, carrying .gpu-deps
 #
-# It writes 9 files; a lent machine returns 8 from its $OUT, so there run it as
+# It writes 11 files; a lent machine returns 8 from its $OUT, so there run it as
 #   R=$OUT; OUT=/tmp/gc bash bench/gpu_check.sh; tar czf $R/gpu-check.tgz -C /tmp gc
 #
 # In order, each step with its own time limit so that a hang costs one step
@@ -18,12 +18,16 @@
 #      triton on cuda:0 and, with several GPUs, the last one), 8-bit state and
 #      lean windows included: 91 s without those two (the 2026-12-04 run lacked them)
 #   4. the kernel benchmark (64M elements, copy bandwidth as the ceiling): 27 s
-#   5. training windows of GPT d=256 and d=1024 (8 layers) at N = 8, plain bf16
+#   5. the defaults step's variants (bench/cuda_variants.py: which change moves
+#      it toward the memory bound, each checked bit for bit against the
+#      extension before timing): about 90 s to build, seconds to run (not yet run)
+#   6. training windows of GPT d=256 and d=1024 (8 layers) at N = 8, plain bf16
 #      against the wrapper's defaults: about 18 s a row (a fresh process each), 4 rows
 # Logs, JSON and a summary go to $OUT (default bench/results/gpu-check); the
-# tables are printed last. About 10 minutes in all (the machine's start adds
-# about half a minute), which leaves a lent machine of 15 minutes no room for a
-# second full run: a rerun takes the steps it needs.
+# tables are printed last. About 10 minutes to step 5 (the machine's start
+# adds about half a minute), so one call of at most 10 minutes ends in the
+# windows' step, which its limit cuts short; a lent machine of 15 minutes has
+# no room for a second full run: a rerun takes the steps it needs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/results/gpu-check}"
@@ -76,6 +80,7 @@ else
 fi
 
 step bench-kernels 150 python -m bench.kernels --device cuda --results-dir "$OUT" --out kernels-cuda
+step cuda-variants 180 python -m bench.cuda_variants --results-dir "$OUT"
 step bench-windows 120 python -m bench.e2e --windows --device cuda --models gpt-d256,gpt-d1024 --ns 8 \
     --paths plain-bf16,ours-hooks --results-dir "$OUT"
 
@@ -85,6 +90,8 @@ for log in tests-gpu tests-on-gpu; do
 done
 echo "== kernels"
 sed -n '/^group/,$p' "$OUT/bench-kernels.log"
+echo "== defaults-step variants"
+sed -n '/^defaults-step variants/,$p' "$OUT/cuda-variants.log"
 echo "== training windows"
 sed -n '/^model/,$p' "$OUT/bench-windows.log"
 echo "== summary"
