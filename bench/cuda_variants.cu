@@ -1,20 +1,13 @@
-// Variants of the CUDA defaults step (adamw_step_and_zero_ on bf16 params with
-// bf16 state, stochastic rounding, from an fp32 buffer), built apart from the
-// extension by bench/cuda_variants.py to time on a GPU which change moves the
-// step toward the memory bound before one goes into csrc/cuda/adam.cu. Every
-// variant runs formulas.h's functions (adam_update, the Weights and State
-// roundings, the chunk's draws) over csrc/cuda's chunks of kChunk elements,
-// a block each (for one tensor of whole chunks, what multi_tensor_apply
-// launches), so the ones that compute the step give the extension's bits; the
-// last two leave parts out to time what is left.
+// Variants of the CUDA AdamW steps, built apart from the extension by
+// bench/cuda_variants.py to time on a GPU which change moves a step toward
+// the memory bound before it goes into csrc/cuda/adam.cuh. Two groups:
 //
-// A variant is DefaultsStep<kPacks, kPipelined, kStaticFlags, kMath> run by
-// blocks of kThreads with __launch_bounds__(kThreads, kMinBlocks) (csrc: 512
-// threads, no minimum; a minimum of 2 caps a 512-thread block's registers at
-// 64, so that two blocks fit an SM):
+// "defaults" (bf16 params and state, stochastic rounding, from the fp32
+// buffer): csrc's AdamFunctor as the extension launches it, and
+// DefaultsStep<kPacks, kPipelined, kStaticFlags, kMath>, the same step with
 //   kPacks        packs of 8 elements a thread loads before its arithmetic
-//                 (csrc's AdamFunctor: 1)
-//   kPipelined    the next iteration's packs are loaded before this one's
+//                 (AdamFunctor: 1)
+//   kPipelined    the next iteration's packs loaded before this one's
 //                 arithmetic, so loads are in flight while a warp computes
 //   kStaticFlags  AdamW's flags (decoupled weight decay on, amsgrad off) as
 //                 template constants: no branch on them in the loop
@@ -22,19 +15,27 @@
 //                 (no hashes: the stochastic rounding's cost); kMemory: the
 //                 same loads and stores around a single add (the access
 //                 pattern's own time)
+// "8bit" (bf16 params, 8-bit state): csrc's Adam8Functor.
+//
+// Each runs over csrc's chunks of kChunk elements, a block each (for one
+// tensor of whole chunks, what multi_tensor_apply launches), in blocks of
+// kThreads under __launch_bounds__(kThreads, kMinBlocks) (kMinBlocks 0: no
+// minimum named): the extension's are 512 threads and no minimum; a minimum
+// of 2 caps a 512-thread block at 64 registers, so that two fit an SM. Every variant that computes the step
+// does so with formulas.h's functions, so it gives the extension's bits.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
 #include "accumkernels/formulas.h"
+#include "cuda/adam.cuh"
 #include "cuda/multi_tensor.cuh"
 #include "cuda/step.cuh"
 
 namespace accumkernels::cuda {
 namespace {
 
-constexpr int kLists = 7;  // as adam.cu's: 0 param, 1 master, 2 buffer, 3 exp_avg, 4 exp_avg_sq, 5 max, 6 step
-constexpr int kN = 8;      // elements a pack: 16 bytes of bf16
+constexpr int kN = 8;  // elements a pack: 16 bytes of bf16
 enum Math : int { kStep = 0, kNearest = 1, kMemory = 2 };
 
 // One pack's inputs as loaded: fp32 sums, bf16 exp_avg, exp_avg_sq and param.
@@ -56,7 +57,7 @@ struct DefaultsStep {
   static constexpr Dtype P = Dtype::kBFloat16;
   static constexpr WeightsKind K = WeightsKind::kStochastic;
 
-  __device__ void operator()(const Meta<kLists>& meta, int t, int64_t start, int64_t n, int, AdamHyper h,
+  __device__ void operator()(const Meta<kAdamLists>& meta, int t, int64_t start, int64_t n, int, AdamHyper h,
                              StepScale scale, bool, uint32_t seed) {
     float* buffer = chunk_grads<Dtype::kFloat32>(meta, t, start);
     const auto w = chunk_weights<P, K>(meta, t, start);
@@ -133,85 +134,147 @@ struct DefaultsStep {
   }
 };
 
-template <typename Step, int kThreads, int kMinBlocks>
-__global__ void __launch_bounds__(kThreads, kMinBlocks)
-    variant_kernel(const Meta<kLists> meta, Step step, AdamHyper h, StepScale scale, uint32_t seed) {
-  step(meta, 0, static_cast<int64_t>(blockIdx.x) * kChunk, kChunk, static_cast<int>(blockIdx.x), h, scale, true, seed);
+// multi_tensor_kernel's body (the chunk's length a run-time value, as there)
+// under other launch bounds: kMinBlocks 0 names none, as multi_tensor_kernel
+// (ptxas then keeps the extension's register counts; an explicit minimum of
+// 1 lets it take more).
+template <int D, typename Step>
+__device__ __forceinline__ void variant_body(const Meta<D>& meta, Step step, AdamHyper h, StepScale scale,
+                                             bool zero_buffers, uint32_t seed) {
+  const int tensor = meta.block_to_tensor[blockIdx.x];
+  const int64_t chunk = meta.block_to_chunk[blockIdx.x];
+  const int64_t start = chunk * kChunk;
+  const int64_t n = min(kChunk, meta.numel[tensor] - start);
+  step(meta, tensor, start, n, meta.first_global_chunk + static_cast<int>(blockIdx.x), h, scale, zero_buffers, seed);
 }
 
-// A variant: its name, whether it computes the step (and so gives the
-// extension's bits), its kernel's template arguments as cuobjdump prints them
-// (bench/cuda_variants.py reads its registers so), and its launch over one
-// tensor of each list (n elements, whole chunks).
+template <int D, typename Step, int kThreads>
+__global__ void __launch_bounds__(kThreads)
+    bounded_kernel(const Meta<D> meta, Step step, AdamHyper h, StepScale scale, bool zero_buffers, uint32_t seed) {
+  variant_body(meta, step, h, scale, zero_buffers, seed);
+}
+
+template <int D, typename Step, int kThreads, int kMinBlocks>
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
+    min_blocks_kernel(const Meta<D> meta, Step step, AdamHyper h, StepScale scale, bool zero_buffers, uint32_t seed) {
+  variant_body(meta, step, h, scale, zero_buffers, seed);
+}
+
+template <int D, typename Step, int kThreads, int kMinBlocks>
+constexpr auto variant_kernel() {
+  if constexpr (kMinBlocks == 0) {
+    return bounded_kernel<D, Step, kThreads>;
+  } else {
+    return min_blocks_kernel<D, Step, kThreads, kMinBlocks>;
+  }
+}
+
+// A variant: its name, its group, whether it computes the step (and so gives
+// the extension's bits), its launch over one tensor of each of its lists (n
+// elements, whole chunks) and its kernel's resources on the current device.
 struct Variant {
   const char* name;
+  const char* group;
   bool same_bits;
-  std::string args;
-  void (*launch)(const Meta<kLists>&, int64_t, AdamHyper, StepScale, uint32_t);
+  int lists;
+  void (*launch)(const std::vector<void*>&, int64_t, AdamHyper, StepScale, uint32_t);
+  std::tuple<int, int, int> (*resources)();
 };
 
-template <int kPacks, bool kPipelined, bool kStaticFlags, int kMath, int kThreads, int kMinBlocks>
-void launch(const Meta<kLists>& meta, int64_t n, AdamHyper h, StepScale scale, uint32_t seed) {
-  using Step = DefaultsStep<kPacks, kPipelined, kStaticFlags, kMath>;
-  variant_kernel<Step, kThreads, kMinBlocks><<<static_cast<unsigned>(n / kChunk), kThreads, 0,
-                                               c10::cuda::getCurrentCUDAStream()>>>(meta, Step{}, h, scale, seed);
+template <int D, typename Step, int kThreads, int kMinBlocks>
+void launch(const std::vector<void*>& lists, int64_t n, AdamHyper h, StepScale scale, uint32_t seed) {
+  auto meta = std::make_unique<Meta<D>>();  // 32 KB: not on the host stack
+  for (int d = 0; d < D; ++d) meta->addresses[d][0] = lists[d];
+  meta->numel[0] = n;
+  meta->stream[0] = 0;  // the op's stream id of its first (only) param
+  meta->first_global_chunk = 0;
+  for (int64_t b = 0; b < n / kChunk; ++b) {
+    meta->block_to_tensor[b] = 0;
+    meta->block_to_chunk[b] = static_cast<int>(b);
+  }
+  variant_kernel<D, Step, kThreads, kMinBlocks>()<<<static_cast<unsigned>(n / kChunk), kThreads, 0,
+                                                    c10::cuda::getCurrentCUDAStream()>>>(*meta, Step{}, h, scale, true,
+                                                                                         seed);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <int kPacks, bool kPipelined, bool kStaticFlags, int kMath, int kThreads = kBlock, int kMinBlocks = 1>
-Variant variant(const char* name) {
-  const auto flag = [](bool b) { return std::string(b ? "true" : "false"); };
-  return {name, kMath == kStep,
-          std::to_string(kPacks) + ", " + flag(kPipelined) + ", " + flag(kStaticFlags) + ", " + std::to_string(kMath) +
-              ">, " + std::to_string(kThreads) + ", " + std::to_string(kMinBlocks),
-          launch<kPacks, kPipelined, kStaticFlags, kMath, kThreads, kMinBlocks>};
+// (registers a thread, local memory bytes a thread (spills), resident blocks an SM).
+template <int D, typename Step, int kThreads, int kMinBlocks>
+std::tuple<int, int, int> resources() {
+  const auto kernel = variant_kernel<D, Step, kThreads, kMinBlocks>();
+  cudaFuncAttributes attributes;
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+  int blocks = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, 0));
+  return {attributes.numRegs, static_cast<int>(attributes.localSizeBytes), blocks};
 }
+
+template <int D, typename Step, int kThreads = kBlock, int kMinBlocks = 0>
+Variant variant(const char* name, const char* group, bool same_bits) {
+  return {name, group, same_bits, D, launch<D, Step, kThreads, kMinBlocks>, resources<D, Step, kThreads, kMinBlocks>};
+}
+
+template <int kPacks, bool kPipelined, bool kStaticFlags, int kMath, int kThreads = kBlock, int kMinBlocks = 0>
+Variant defaults(const char* name) {
+  return variant<kAdamLists, DefaultsStep<kPacks, kPipelined, kStaticFlags, kMath>, kThreads, kMinBlocks>(
+      name, "defaults", kMath == kStep);
+}
+
+using CsrcDefaults = AdamFunctor<Dtype::kBFloat16, WeightsKind::kStochastic, Dtype::kBFloat16, Dtype::kFloat32>;
+using Csrc8bit = Adam8Functor<Dtype::kBFloat16, WeightsKind::kStochastic, Dtype::kFloat32>;
 
 const std::vector<Variant>& all_variants() {
   static const std::vector<Variant> variants = {
-      variant<1, false, false, kStep, 512, 2>("1 pack, runtime flags (csrc's loop), 2 blocks an SM"),
-      variant<1, false, true, kStep>("static flags"),
-      variant<1, true, true, kStep>("pipelined, static flags"),
-      variant<1, true, true, kStep, 512, 2>("pipelined, static flags, 2 blocks an SM"),
-      variant<1, true, true, kStep, 256, 3>("pipelined, static flags, 256 threads, 3 blocks an SM"),
-      variant<2, false, true, kStep>("2 packs, static flags"),
-      variant<2, false, true, kStep, 512, 2>("2 packs, static flags, 2 blocks an SM"),
-      variant<2, false, false, kStep, 512, 2>("2 packs, runtime flags, 2 blocks an SM"),
-      variant<1, false, true, kNearest>("round to nearest (no hashes), static flags"),
-      variant<1, false, true, kMemory>("memory only (loads, one add, stores)"),
+      variant<kAdamLists, CsrcDefaults>("csrc's AdamFunctor", "defaults", true),
+      defaults<1, false, true, kStep>("static flags"),
+      defaults<1, false, true, kStep, 256>("static flags, 256 threads"),
+      defaults<1, true, true, kStep>("pipelined, static flags"),
+      defaults<1, true, true, kStep, 256, 3>("pipelined, static flags, 256 threads, 3 blocks an SM"),
+      defaults<2, false, true, kStep, 512, 2>("2 packs, static flags, 2 blocks an SM"),
+      defaults<2, false, false, kStep, 512, 2>("2 packs, runtime flags, 2 blocks an SM"),
+      defaults<1, false, true, kNearest>("round to nearest (no hashes), static flags"),
+      defaults<1, false, true, kMemory>("memory only (loads, one add, stores)"),
+      variant<kAdam8Lists, Csrc8bit>("csrc's Adam8Functor", "8bit", true),
+      variant<kAdam8Lists, Csrc8bit, 512, 2>("Adam8Functor, 2 blocks an SM", "8bit", true),
+      variant<kAdam8Lists, Csrc8bit, 256>("Adam8Functor, 256 threads", "8bit", true),
+      variant<kAdam8Lists, Csrc8bit, 256, 4>("Adam8Functor, 256 threads, 4 blocks an SM", "8bit", true),
   };
   return variants;
 }
 
-// (name, same_bits, template arguments) of each variant, by index.
-std::vector<std::tuple<std::string, bool, std::string>> variants() {
-  std::vector<std::tuple<std::string, bool, std::string>> out;
-  for (const auto& v : all_variants()) out.emplace_back(v.name, v.same_bits, v.args);
+// (name, group, same_bits) of each variant, by index.
+std::vector<std::tuple<std::string, std::string, bool>> variants() {
+  std::vector<std::tuple<std::string, std::string, bool>> out;
+  for (const auto& v : all_variants()) out.emplace_back(v.name, v.group, v.same_bits);
   return out;
 }
 
-// Variant `index`'s AdamW step of (p bf16, g fp32 buffer, m and v bf16,
-// step: the step count this update uses) with the extension's op's meaning.
-void run(int64_t index, at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v, at::Tensor step, double lr,
-         double beta1, double beta2, double eps, double weight_decay, int64_t seed) {
+std::tuple<int, int, int> resources_of(int64_t index) {
   TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(all_variants().size()), "no variant ", index);
-  TORCH_CHECK(p.is_cuda() && p.scalar_type() == at::kBFloat16 && g.scalar_type() == at::kFloat &&
-                  m.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 &&
-                  step.scalar_type() == at::kFloat,
-              "expected bf16 p, m, v, an fp32 buffer and an fp32 step");
-  const int64_t n = p.numel();
-  TORCH_CHECK(n % kChunk == 0 && n / kChunk <= 65535, "numel must be a whole number of chunks of ", kChunk,
-              ", at most 65535 of them");
-  for (const auto& t : {g, m, v}) TORCH_CHECK(t.numel() == n && t.is_contiguous(), "tensors of p's numel");
-  const c10::cuda::CUDAGuard guard(p.device());
-  auto meta = std::make_unique<Meta<kLists>>();  // 32 KB: not on the host stack
-  void* lists[kLists] = {p.data_ptr(), nullptr, g.data_ptr(), m.data_ptr(), v.data_ptr(), nullptr, step.data_ptr()};
-  for (int d = 0; d < kLists; ++d) meta->addresses[d][0] = lists[d];
-  meta->numel[0] = n;
-  meta->stream[0] = 0;  // the op's stream id of its first (only) param
-  meta->first_global_chunk = 0;
+  return all_variants()[index].resources();
+}
+
+// Variant `index`'s AdamW step over its lists (one tensor each, in the
+// extension's list order; None where the list is empty), with the
+// extension's op's meaning; the step tensor holds the step count the update
+// uses (the op counts it itself first).
+void run(int64_t index, const std::vector<std::optional<at::Tensor>>& tensors, double lr, double beta1, double beta2,
+         double eps, double weight_decay, int64_t seed) {
+  TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(all_variants().size()), "no variant ", index);
+  const Variant& v = all_variants()[index];
+  TORCH_CHECK(static_cast<int>(tensors.size()) == v.lists, v.name, " takes ", v.lists, " lists");
+  TORCH_CHECK(tensors[0].has_value() && tensors[0]->is_cuda(), "list 0 (the param) must be a CUDA tensor");
+  const int64_t n = tensors[0]->numel();
+  TORCH_CHECK(n % kChunk == 0 && n / kChunk <= kMaxBlocks, "numel must be a whole number of chunks of ", kChunk,
+              ", at most ", kMaxBlocks, " of them (one launch)");
+  std::vector<void*> lists;
+  for (const auto& t : tensors) {
+    TORCH_CHECK(!t.has_value() || (t->is_cuda() && t->is_contiguous()), "every tensor contiguous on CUDA");
+    lists.push_back(t.has_value() ? t->data_ptr() : nullptr);
+  }
+  const c10::cuda::CUDAGuard guard(tensors[0]->device());
   const AdamHyper h = make_adam_hyper(lr, beta1, beta2, eps, weight_decay, true, false);
-  all_variants()[index].launch(*meta, n, h, StepScale{1.0f, nullptr, nullptr}, static_cast<uint32_t>(seed));
+  v.launch(lists, n, h, StepScale{1.0f, nullptr, nullptr}, static_cast<uint32_t>(seed));
 }
 
 }  // namespace
@@ -219,5 +282,6 @@ void run(int64_t index, at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v, 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("variants", &accumkernels::cuda::variants);
+  m.def("resources", &accumkernels::cuda::resources_of);
   m.def("run", &accumkernels::cuda::run);
 }

@@ -1,41 +1,44 @@
-"""Which change brings the CUDA defaults step (bf16 params and state,
-stochastic rounding, from the fp32 buffer) toward the memory bound: the
-variants of bench/cuda_variants.cu, each built with csrc's formulas and
-multi-tensor launcher, timed against the extension's own
-``adamw_step_and_zero_`` and a device-to-device fp32 copy in the same rounds.
+"""Which change brings the CUDA AdamW steps toward the memory bound: the
+variants of bench/cuda_variants.cu, built with csrc's formulas and functors,
+timed against the extension's own ``adamw_step_and_zero_`` and a
+device-to-device fp32 copy in the same interleaved rounds.
 
-Bytes model: 20 B/element (read p 2, g 4, m 2, v 2; write p 2, m 2, v 2,
-g = 0 4), the same for every variant; the copy moves 8. The variants that
-compute the step must give the extension's bits (checked on the timed
-tensors before timing: params, moments and the cleared buffer); the other two
-are floors: the step rounded to nearest (what the stochastic rounding's
-hashes cost) and the step's loads and stores around one add (what its access
-pattern costs). Registers per thread are read from the built module where
-cuobjdump is found (occupancy: 512-thread blocks, 64K registers an SM).
+Two groups, each on bf16 params with stochastic rounding, from the fp32
+buffer:
+  defaults  bf16 state: csrc's AdamFunctor and variants of its loop (flags as
+            template constants, the next pack loaded before this pack's
+            arithmetic, two packs loaded first, other launch bounds), and two
+            floors: the step rounded to nearest (what the hashes cost) and its
+            loads and stores around a single add (what its access pattern costs)
+  8bit      8-bit state: csrc's Adam8Functor under other launch bounds
 
-Needs a CUDA GPU, nvcc and ninja; builds in about a minute. ``python -m
-bench.cuda_variants`` (bench/gpu_check.sh runs it).
+Bytes model (per element): defaults 20 (read p 2, g 4, m 2, v 2; write p 2,
+m 2, v 2, g = 0 4); 8bit 16 + 16/256 (p 4, g 8, codes 4, two fp32 scales
+read and written per block of 256); the copy 8. Every variant that computes
+the step must give the extension's bits (params, state and the cleared
+buffer, checked on the timed tensors before timing); registers, spills and
+resident blocks an SM are read off each kernel on the device.
+
+Needs a CUDA GPU, nvcc and ninja; builds in about a minute and a half.
+``python -m bench.cuda_variants`` (bench/gpu_check.sh runs it).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import re
-import shutil
 import statistics
-import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
 
 import accumkernels as ak
+from accumkernels import _state8
 
 from . import common
 
 ROOT = Path(__file__).resolve().parent.parent
-BYTES_PER_ELEMENT = 20
+BYTES_PER_ELEMENT = {"defaults": 20, "8bit": 16 + 16 / 256}
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, seed=3)
 
 
@@ -43,135 +46,106 @@ def build():
     """The variants' module, built with the extension's nvcc flags (no contraction)."""
     from torch.utils.cpp_extension import load
 
-    folder = Path(tempfile.mkdtemp(prefix="ak-cuda-variants-"))
-    module = load(
+    return load(
         name="ak_cuda_variants",
         sources=[str(ROOT / "bench" / "cuda_variants.cu")],
         extra_include_paths=[str(ROOT / "csrc" / "include"), str(ROOT / "csrc")],
         extra_cflags=["-O3", "-std=c++20"],
         extra_cuda_cflags=["-O3", "-std=c++20", "-lineinfo", "--fmad=false"],
-        build_directory=str(folder),
+        build_directory=tempfile.mkdtemp(prefix="ak-cuda-variants-"),
     )
-    return module, folder
 
 
-def resources(folder: Path) -> dict[str, dict]:
-    """Registers a thread and stack bytes (spills) of each variant's kernel
-    (cuobjdump -res-usage), keyed by its template arguments from the step's
-    on as the module's variants() gives them, e.g. '1, false, false, 0>, 512, 1'
-    (threads a block, minimum blocks), read off the mangled name (c++filt
-    need not be there)."""
-    tool = shutil.which("cuobjdump") or str(Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin" / "cuobjdump")
-    so = next(folder.glob("ak_cuda_variants*.so"), None)
-    if so is None or not Path(tool).exists():
-        return {}
-    lines = subprocess.run([tool, "-res-usage", str(so)], capture_output=True, text=True).stdout.splitlines()
-    mangled = re.compile(r"12DefaultsStepILi(\d+)ELb([01])ELb([01])ELi(\d+)EEELi(\d+)ELi(\d+)E")
-    found = {}
-    for line, following in zip(lines, lines[1:]):
-        kernel = mangled.search(line)
-        usage = re.search(r"REG:(\d+) STACK:(\d+)", following)
-        if line.lstrip().startswith("Function") and kernel and usage:
-            packs, pipelined, static, math, threads, min_blocks = kernel.groups()
-            flag = {"0": "false", "1": "true"}
-            key = f"{packs}, {flag[pipelined]}, {flag[static]}, {math}>, {threads}, {min_blocks}"
-            found[key] = {"registers": int(usage.group(1)), "stack": int(usage.group(2))}
-    return found
+def extension_step(t: dict, step: torch.Tensor) -> None:
+    """The extension's op on group tensors ``t`` (the step count from 0)."""
+    step.zero_()  # the op counts the step itself: 0 -> 1
+    scales = {}
+    if "ms" in t:
+        scales = dict(exp_avg_scales=[t["ms"]], exp_avg_sq_scales=[t["vs"]])
+    ak.adamw_step_and_zero_(
+        [t["p"]],
+        [t["g"]],
+        [t["m"]],
+        [t["v"]],
+        [step],
+        **scales,
+        lr=HYPER["lr"],
+        betas=(HYPER["beta1"], HYPER["beta2"]),
+        eps=HYPER["eps"],
+        weight_decay=HYPER["weight_decay"],
+        stochastic_rounding=True,
+        seed=HYPER["seed"],
+        backend="cuda",
+    )
 
 
-def blocks_per_sm(registers: int, threads: int) -> int:
-    """Resident blocks an SM (sm_90: 64K registers, allocated 8 a thread at a
-    time, at most 2048 threads), as far as registers and threads bound it."""
-    return min(65536 // (-(-registers // 8) * 8 * threads), 2048 // threads)
-
-
-def inputs(n: int, device) -> dict[str, torch.Tensor]:
-    """Fresh random state of a step in progress (nothing zero)."""
+def inputs(group: str, n: int, device) -> dict[str, torch.Tensor]:
+    """Fresh random state of a step in progress (nothing zero). 8-bit: the
+    codes and scales that one extension step from zero moments leaves."""
     gen = torch.Generator(device=device).manual_seed(0)
-    return {
+    t = {
         "p": torch.randn(n, device=device, generator=gen).bfloat16(),
         "g": torch.randn(n, device=device, generator=gen) * 1e-3,
-        "m": (torch.randn(n, device=device, generator=gen) * 1e-3).bfloat16(),
-        "v": (torch.randn(n, device=device, generator=gen) * 1e-3).square().bfloat16(),
     }
+    if group == "defaults":
+        t["m"] = (torch.randn(n, device=device, generator=gen) * 1e-3).bfloat16()
+        t["v"] = (torch.randn(n, device=device, generator=gen) * 1e-3).square().bfloat16()
+        return t
+    t["m"] = torch.zeros(n, device=device, dtype=torch.uint8)
+    t["v"] = torch.zeros(n, device=device, dtype=torch.uint8)
+    t["ms"] = torch.zeros(_state8.scales_numel(n), device=device)
+    t["vs"] = torch.zeros(_state8.scales_numel(n), device=device)
+    extension_step(t, torch.zeros((), device=device))
+    t["g"].copy_(torch.randn(n, device=device, generator=gen) * 1e-3)
+    return t
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--numel", type=int, default=64 * 2**20, help="elements (a multiple of 65536; default 64M)")
-    parser.add_argument("--reps", type=int, default=15, help="interleaved timed rounds (median reported)")
-    parser.add_argument("--results-dir", default=None, help="where to write cuda-variants.json")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available() or "cuda" not in ak.available_backends():
-        raise SystemExit("bench.cuda_variants needs a CUDA GPU and the extension's cuda backend")
-    device = torch.device("cuda")
-    module, folder = build()
-    usage = resources(folder)
-    variants = module.variants()
-    n = args.numel
-    pristine = inputs(n, device)
+def lists(t: dict, step: torch.Tensor) -> list:
+    """The group's tensors in the extension's list order (csrc/cuda/adam.cuh)."""
+    out = [t["p"], None, t["g"], t["m"], t["v"], None, step]
+    return out + [t["ms"], t["vs"]] if "ms" in t else out
+
+
+def time_group(module, group, indices, n, reps, device) -> list[dict]:
+    """The copy, the extension's step and the group's variants, timed in
+    interleaved rounds (inputs restored before each call, outside its events)."""
+    pristine = inputs(group, n, device)
     work = {k: v.clone() for k, v in pristine.items()}
     step = torch.zeros((), device=device)
-    h = HYPER
 
     def restore():
         for k, v in pristine.items():
             work[k].copy_(v)
 
-    def extension():
-        step.zero_()  # the op counts the step itself: 0 -> 1
-        ak.adamw_step_and_zero_(
-            [work["p"]],
-            [work["g"]],
-            [work["m"]],
-            [work["v"]],
-            [step],
-            lr=h["lr"],
-            betas=(h["beta1"], h["beta2"]),
-            eps=h["eps"],
-            weight_decay=h["weight_decay"],
-            stochastic_rounding=True,
-            seed=h["seed"],
-            backend="cuda",
-        )
-
     def variant(index):
         def fn():
             step.fill_(1.0)  # the step count the update uses, as the op's after counting
+            h = HYPER
             module.run(
-                index,
-                work["p"],
-                work["g"],
-                work["m"],
-                work["v"],
-                step,
-                h["lr"],
-                h["beta1"],
-                h["beta2"],
-                h["eps"],
-                h["weight_decay"],
-                h["seed"],
+                index, lists(work, step), h["lr"], h["beta1"], h["beta2"], h["eps"], h["weight_decay"], h["seed"]
             )
 
         return fn
 
+    variants = module.variants()
     restore()
-    extension()
+    extension_step(work, step)
     want = {k: v.clone() for k, v in work.items()}
-    same = []
-    for i, (_, exact, _) in enumerate(variants):
+    same = {}
+    for i in indices:
         restore()
         variant(i)()
-        same.append(all(torch.equal(work[k], want[k]) for k in want) if exact else None)
+        same[i] = all(torch.equal(work[k], want[k]) for k in want) if variants[i][2] else None
 
     a, b = torch.empty(n, device=device), torch.randn(n, device=device)
-    cases = [("torch fp32 device-to-device copy_ (ceiling)", 8, lambda: a.copy_(b))]
-    cases.append(("extension's adamw_step_and_zero_ (cuda)", BYTES_PER_ELEMENT, extension))
-    cases += [(name, BYTES_PER_ELEMENT, variant(i)) for i, (name, _, _) in enumerate(variants)]
+    bpe = BYTES_PER_ELEMENT[group]
+    cases = [("torch fp32 device-to-device copy_ (ceiling)", 8, lambda: a.copy_(b), None)]
+    cases.append(("extension's adamw_step_and_zero_ (cuda)", bpe, lambda: extension_step(work, step), None))
+    cases += [(variants[i][0], bpe, variant(i), i) for i in indices]
     times = [[] for _ in cases]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for r in range(args.reps + 2):  # two warm-up rounds
-        for (_, _, fn), out in zip(cases, times):
+    for r in range(reps + 2):  # two warm-up rounds
+        for (_, _, fn, _), out in zip(cases, times):
             restore()
             start.record()
             fn()
@@ -179,54 +153,81 @@ def main(argv=None) -> int:
             end.synchronize()
             if r >= 2:
                 out.append(start.elapsed_time(end))
-    copy_ms = statistics.median(times[0])
-    copy_gbps = 8 * n / copy_ms / 1e6
-    ext_ms = statistics.median(times[1])
+    copy_gbps = 8 * n / statistics.median(times[0]) / 1e6
+    extension_ms = statistics.median(times[1])
     rows = []
-    exact = [None, None] + same
-    for (name, bpe, _), t, ok in zip(cases, times, exact):
+    for (name, case_bpe, _, index), t in zip(cases, times):
         ms = statistics.median(t)
-        gbps = bpe * n / ms / 1e6
-        rows.append(
-            {
-                "name": name,
-                "median_ms": ms,
-                "gbps": gbps,
-                "of_copy": gbps / copy_gbps,
-                "vs_extension": ms / ext_ms,
-                "same_bits": {None: "", True: "yes", False: "NO"}[ok],
-                "round_ms": t,
-            }
-        )
-    for row, (_, _, key) in zip(rows[2:], variants):
-        if key in usage:
-            threads = int(key.split(">, ")[1].split(",")[0])
-            row.update(usage[key], blocks_per_sm=blocks_per_sm(usage[key]["registers"], threads))
+        gbps = case_bpe * n / ms / 1e6
+        row = {
+            "group": group,
+            "name": name,
+            "median_ms": ms,
+            "gbps": gbps,
+            "of_copy": gbps / copy_gbps,
+            "vs_extension": ms / extension_ms,
+            "round_ms": t,
+        }
+        if index is not None:
+            registers, local_bytes, blocks = module.resources(index)
+            row.update(
+                registers=registers,
+                spill_bytes=local_bytes,
+                blocks_per_sm=blocks,
+                same_bits={None: "", True: "yes", False: "NO"}[same[index]],
+            )
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--numel", type=int, default=64 * 2**20, help="elements (whole chunks of 65536, at most 2048; default 64M)"
+    )
+    parser.add_argument("--reps", type=int, default=15, help="interleaved timed rounds (median reported)")
+    parser.add_argument("--results-dir", default=None, help="where to write cuda-variants.json")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() or "cuda" not in ak.available_backends():
+        raise SystemExit("bench.cuda_variants needs a CUDA GPU and the extension's cuda backend")
+    device = torch.device("cuda")
+    module = build()
+    groups = {}
+    for i, (_, group, _) in enumerate(module.variants()):
+        groups.setdefault(group, []).append(i)
+    rows = [
+        row
+        for group, indices in groups.items()
+        for row in time_group(module, group, indices, args.numel, args.reps, device)
+    ]
     record = common.machine_record(device)
     path = common.write_results(
         "cuda-variants",
-        {"machine": record, "numel": n, "reps": args.reps, "hyper": h, "rows": rows},
+        {"machine": record, "numel": args.numel, "reps": args.reps, "hyper": HYPER, "rows": rows},
         args.results_dir,
     )
-    print(f"defaults-step variants on {record.get('gpu')}, {n} elements, median of {args.reps}, {record['commit']}")
+    print(
+        f"AdamW step variants on {record.get('gpu')}, {args.numel} elements, median of {args.reps}, {record['commit']}"
+    )
     print(
         common.table(
             rows,
             [
+                ("group", "group", "s"),
                 ("name", "variant", "s"),
                 ("median_ms", "median ms", ".3f"),
                 ("gbps", "GB/s", ".0f"),
                 ("of_copy", "of copy", ".2f"),
                 ("vs_extension", "vs ext.", ".3f"),
                 ("registers", "regs", "d"),
-                ("stack", "stack B", "d"),
+                ("spill_bytes", "spill B", "d"),
                 ("blocks_per_sm", "blocks/SM", "d"),
                 ("same_bits", "same bits", "s"),
             ],
         )
     )
     print(f"wrote {path}")
-    return 0 if all(ok is not False for ok in same) else 1
+    return 1 if any(row.get("same_bits") == "NO" for row in rows) else 0
 
 
 if __name__ == "__main__":

@@ -18,9 +18,10 @@
 #      triton on cuda:0 and, with several GPUs, the last one), 8-bit state and
 #      lean windows included: 91 s without those two (the 2026-12-04 run lacked them)
 #   4. the kernel benchmark (64M elements, copy bandwidth as the ceiling): 27 s
-#   5. the defaults step's variants (bench/cuda_variants.py: which change moves
-#      it toward the memory bound, each checked bit for bit against the
-#      extension before timing): about 90 s to build, seconds to run (not yet run)
+#   5. variants of the defaults' and the 8-bit AdamW steps (bench/cuda_variants.py:
+#      which change moves them toward the memory bound, each checked bit for bit
+#      against the extension before timing): about 90 s to build, seconds to run
+#      (not yet run)
 #   6. training windows of GPT d=256 and d=1024 (8 layers) at N = 8, plain bf16
 #      against the wrapper's defaults: about 18 s a row (a fresh process each), 4 rows
 # Logs, JSON and a summary go to $OUT (default bench/results/gpu-check); the
@@ -90,8 +91,8 @@ for log in tests-gpu tests-on-gpu; do
 done
 echo "== kernels"
 sed -n '/^group/,$p' "$OUT/bench-kernels.log"
-echo "== defaults-step variants"
-sed -n '/^defaults-step variants/,$p' "$OUT/cuda-variants.log"
+echo "== step variants"
+sed -n '/^AdamW step variants/,$p' "$OUT/cuda-variants.log"
 echo "== training windows"
 sed -n '/^model/,$p' "$OUT/bench-windows.log"
 echo "== summary"

@@ -152,7 +152,7 @@ __device__ __forceinline__ void store_state(const State<S, kSlot>& st, int64_t i
 }
 
 // ---- 8-bit state: a warp per block of kState8Block ----------------------------
-// The 8-bit step functors (adam.cu's Adam8Functor, sgd.cu's Sgd8Functor) give
+// The 8-bit step functors (adam.cuh's Adam8Functor, sgd.cu's Sgd8Functor) give
 // each warp one block at a time and each lane kPerLane adjacent elements of it
 // (Lane): where the chunk's pointers allow, a lane moves them as packs, its
 // codes in one 8-byte access and its params and buffer sums in 16-byte ones,
