@@ -26,10 +26,13 @@
 #      against the wrapper's defaults: about 18 s a row (a fresh process each), 4 rows
 # Logs, JSON and a summary go to $OUT (default bench/results/gpu-check); the
 # tables are printed last. About 10 minutes to step 5 (the machine's start
-# adds about half a minute), so one call of at most 10 minutes ends in the
-# windows' step, which its limit cuts short; a lent machine of 15 minutes has
-# no room for a second full run: a rerun takes the steps it needs.
+# adds about half a minute). BUDGET_S (default 540) bounds the whole script:
+# each step's limit is cut to what is left of it and a step with under 20 s
+# left is skipped, so that a call of at most 10 minutes ends in time to pack
+# $OUT (the windows' step is the one cut short). A lent machine of 15 minutes
+# has no room for a second full run: a rerun takes the steps it needs.
 set -uo pipefail
+DEADLINE=$((SECONDS + ${BUDGET_S:-540}))
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/results/gpu-check}"
 mkdir -p "$OUT"
@@ -44,6 +47,12 @@ export TORCH_CUDA_ARCH_LIST
 step() {  # step NAME LIMIT_S COMMAND...: run, log to $OUT/NAME.log, record the exit code
     local name=$1 limit=$2
     shift 2
+    local left=$((DEADLINE - SECONDS))
+    if [ "$left" -lt 20 ]; then
+        echo "$name: skipped ($left s of BUDGET_S left)" | tee -a "$OUT/summary.txt"
+        return 124
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
     local start=$SECONDS
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
@@ -90,10 +99,10 @@ for log in tests-gpu tests-on-gpu; do
     [ -f "$OUT/$log.log" ] && { echo "== $log"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/$log.log" | tail -n 25; }
 done
 echo "== kernels"
-sed -n '/^group/,$p' "$OUT/bench-kernels.log"
+sed -n '/^group/,$p' "$OUT/bench-kernels.log" 2>/dev/null
 echo "== step variants"
-sed -n '/^AdamW step variants/,$p' "$OUT/cuda-variants.log"
+sed -n '/^AdamW step variants/,$p' "$OUT/cuda-variants.log" 2>/dev/null
 echo "== training windows"
-sed -n '/^model/,$p' "$OUT/bench-windows.log"
+sed -n '/^model/,$p' "$OUT/bench-windows.log" 2>/dev/null
 echo "== summary"
 cat "$OUT/summary.txt"
