@@ -1,10 +1,11 @@
 // Variants of the CUDA AdamW steps, built apart from the extension by
 // bench/cuda_variants.py to time on a GPU which change moves a step toward
-// the memory bound before it goes into csrc/cuda/adam.cuh. Two groups:
+// the memory bound before it goes into csrc/cuda/adam.cuh. Three groups, all
+// on bf16 params with stochastic rounding, from the fp32 buffer:
 //
-// "defaults" (bf16 params and state, stochastic rounding, from the fp32
-// buffer): csrc's AdamFunctor as the extension launches it, and
-// DefaultsStep<kPacks, kPipelined, kStaticFlags, kMath>, the same step with
+// "defaults" (bf16 state) and "fp32 state" (the defaults' yardstick in issue
+// #27): csrc's AdamFunctor as the extension launches it, and
+// SrStep<S, kPacks, kPipelined, kStaticFlags, kMath>, the same step with
 //   kPacks        packs of 8 elements a thread loads before its arithmetic
 //                 (AdamFunctor: 1)
 //   kPipelined    the next iteration's packs loaded before this one's
@@ -15,14 +16,15 @@
 //                 (no hashes: the stochastic rounding's cost); kMemory: the
 //                 same loads and stores around a single add (the access
 //                 pattern's own time)
-// "8bit" (bf16 params, 8-bit state): csrc's Adam8Functor.
+// "8bit" (8-bit state): csrc's Adam8Functor.
 //
 // Each runs over csrc's chunks of kChunk elements, a block each (for one
 // tensor of whole chunks, what multi_tensor_apply launches), in blocks of
 // kThreads under __launch_bounds__(kThreads, kMinBlocks) (kMinBlocks 0: no
 // minimum named): the extension's are 512 threads and no minimum; a minimum
-// of 2 caps a 512-thread block at 64 registers, so that two fit an SM. Every variant that computes the step
-// does so with formulas.h's functions, so it gives the extension's bits.
+// of 2 caps a 512-thread block at 64 registers, so that two fit an SM. Every
+// variant that computes the step does so with formulas.h's functions, so it
+// gives the extension's bits.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
@@ -38,22 +40,27 @@ namespace {
 constexpr int kN = 8;  // elements a pack: 16 bytes of bf16
 enum Math : int { kStep = 0, kNearest = 1, kMemory = 2 };
 
-// One pack's inputs as loaded: fp32 sums, bf16 exp_avg, exp_avg_sq and param.
+// One pack's inputs as loaded: fp32 sums, exp_avg and exp_avg_sq in the
+// state's storage type, bf16 params.
+template <Dtype S>
 struct RawPack {
+  using T = typename Storage<S>::type;
   float g[kN];
-  uint16_t m[kN], v[kN], p[kN];
+  T m[kN], v[kN];
+  uint16_t p[kN];
 };
 
-__device__ __forceinline__ void load_raw(RawPack& r, const float* buffer, const uint16_t* m, const uint16_t* v,
-                                         const uint16_t* p, int64_t i) {
+template <Dtype S>
+__device__ __forceinline__ void load_raw(RawPack<S>& r, const float* buffer, const typename RawPack<S>::T* m,
+                                         const typename RawPack<S>::T* v, const uint16_t* p, int64_t i) {
   load_pack<kN>(r.g, buffer, i);
   load_pack<kN>(r.m, m, i);
   load_pack<kN>(r.v, v, i);
   load_pack<kN>(r.p, p, i);
 }
 
-template <int kPacks, bool kPipelined, bool kStaticFlags, int kMath>
-struct DefaultsStep {
+template <Dtype S, int kPacks, bool kPipelined, bool kStaticFlags, int kMath>
+struct SrStep {
   static constexpr Dtype P = Dtype::kBFloat16;
   static constexpr WeightsKind K = WeightsKind::kStochastic;
 
@@ -61,21 +68,21 @@ struct DefaultsStep {
                              StepScale scale, bool, uint32_t seed) {
     float* buffer = chunk_grads<Dtype::kFloat32>(meta, t, start);
     const auto w = chunk_weights<P, K>(meta, t, start);
-    const auto exp_avg = chunk_state<Dtype::kBFloat16, 1>(meta, 3, t, start);
-    const auto exp_avg_sq = chunk_state<Dtype::kBFloat16, 2>(meta, 4, t, start);
+    const auto exp_avg = chunk_state<S, 1>(meta, 3, t, start);
+    const auto exp_avg_sq = chunk_state<S, 2>(meta, 4, t, start);
     const SrChunk sr = chunk_draws(meta, t, start, seed);
     const float step = *static_cast<const float*>(meta.addresses[6][t]);
     const AdamStepScalars s = adam_bias_corrections(h, step);
     const float gs = scale.scale();
     const int64_t stride = static_cast<int64_t>(blockDim.x) * kN;  // between a thread's packs
     const int64_t advance = stride * kPacks;                       // an iteration
-    auto compute_store = [&](const RawPack& r, int64_t i) {
+    auto compute_store = [&](const RawPack<S>& r, int64_t i) {
       float p[kN], m[kN], v[kN];
 #pragma unroll
       for (int k = 0; k < kN; ++k) {
         p[k] = Storage<P>::load(r.p[k]);
-        m[k] = Storage<Dtype::kBFloat16>::load(r.m[k]);
-        v[k] = Storage<Dtype::kBFloat16>::load(r.v[k]);
+        m[k] = Storage<S>::load(r.m[k]);
+        v[k] = Storage<S>::load(r.v[k]);
         float vm = 0.0f;
         if constexpr (kMath == kMemory) {
           p[k] = p[k] + r.g[k];
@@ -90,12 +97,13 @@ struct DefaultsStep {
         store_state<kN>(exp_avg, i, m, sr);
         store_state<kN>(exp_avg_sq, i, v, sr);
       } else {
-        uint16_t pp[kN], mm[kN], vv[kN];
+        uint16_t pp[kN];
+        typename RawPack<S>::T mm[kN], vv[kN];
 #pragma unroll
         for (int k = 0; k < kN; ++k) {
           pp[k] = Storage<P>::store(p[k]);
-          mm[k] = Storage<Dtype::kBFloat16>::store(m[k]);
-          vv[k] = Storage<Dtype::kBFloat16>::store(v[k]);
+          mm[k] = Storage<S>::store(m[k]);
+          vv[k] = Storage<S>::store(v[k]);
         }
         store_pack<kN>(w.param, i, pp);
         store_pack<kN>(exp_avg.data, i, mm);
@@ -106,11 +114,11 @@ struct DefaultsStep {
     // The host checks that every chunk is a whole number of iterations.
     int64_t i = static_cast<int64_t>(threadIdx.x) * kN;
     if constexpr (kPipelined) {
-      RawPack next[kPacks];
+      RawPack<S> next[kPacks];
 #pragma unroll
       for (int j = 0; j < kPacks; ++j) load_raw(next[j], buffer, exp_avg.data, exp_avg_sq.data, w.param, i + j * stride);
       for (; i < n; i += advance) {
-        RawPack cur[kPacks];
+        RawPack<S> cur[kPacks];
 #pragma unroll
         for (int j = 0; j < kPacks; ++j) cur[j] = next[j];
         if (i + advance < n) {
@@ -124,7 +132,7 @@ struct DefaultsStep {
       }
     } else {
       for (; i < n; i += advance) {
-        RawPack cur[kPacks];
+        RawPack<S> cur[kPacks];
 #pragma unroll
         for (int j = 0; j < kPacks; ++j) load_raw(cur[j], buffer, exp_avg.data, exp_avg_sq.data, w.param, i + j * stride);
 #pragma unroll
@@ -214,26 +222,36 @@ Variant variant(const char* name, const char* group, bool same_bits) {
   return {name, group, same_bits, D, launch<D, Step, kThreads, kMinBlocks>, resources<D, Step, kThreads, kMinBlocks>};
 }
 
-template <int kPacks, bool kPipelined, bool kStaticFlags, int kMath, int kThreads = kBlock, int kMinBlocks = 0>
-Variant defaults(const char* name) {
-  return variant<kAdamLists, DefaultsStep<kPacks, kPipelined, kStaticFlags, kMath>, kThreads, kMinBlocks>(
-      name, "defaults", kMath == kStep);
+template <Dtype S, int kPacks, bool kPipelined, bool kStaticFlags, int kMath, int kThreads = kBlock,
+          int kMinBlocks = 0>
+Variant sr_step(const char* name) {
+  return variant<kAdamLists, SrStep<S, kPacks, kPipelined, kStaticFlags, kMath>, kThreads, kMinBlocks>(
+      name, S == Dtype::kBFloat16 ? "defaults" : "fp32 state", kMath == kStep);
 }
 
-using CsrcDefaults = AdamFunctor<Dtype::kBFloat16, WeightsKind::kStochastic, Dtype::kBFloat16, Dtype::kFloat32>;
-using Csrc8bit = Adam8Functor<Dtype::kBFloat16, WeightsKind::kStochastic, Dtype::kFloat32>;
+constexpr Dtype kBf16 = Dtype::kBFloat16;
+constexpr Dtype kFp32 = Dtype::kFloat32;
+using CsrcDefaults = AdamFunctor<kBf16, WeightsKind::kStochastic, kBf16, kFp32>;
+using CsrcFp32State = AdamFunctor<kBf16, WeightsKind::kStochastic, kFp32, kFp32>;
+using Csrc8bit = Adam8Functor<kBf16, WeightsKind::kStochastic, kFp32>;
 
 const std::vector<Variant>& all_variants() {
   static const std::vector<Variant> variants = {
       variant<kAdamLists, CsrcDefaults>("csrc's AdamFunctor", "defaults", true),
-      defaults<1, false, true, kStep>("static flags"),
-      defaults<1, false, true, kStep, 256>("static flags, 256 threads"),
-      defaults<1, true, true, kStep>("pipelined, static flags"),
-      defaults<1, true, true, kStep, 256, 3>("pipelined, static flags, 256 threads, 3 blocks an SM"),
-      defaults<2, false, true, kStep, 512, 2>("2 packs, static flags, 2 blocks an SM"),
-      defaults<2, false, false, kStep, 512, 2>("2 packs, runtime flags, 2 blocks an SM"),
-      defaults<1, false, true, kNearest>("round to nearest (no hashes), static flags"),
-      defaults<1, false, true, kMemory>("memory only (loads, one add, stores)"),
+      sr_step<kBf16, 1, false, true, kStep>("static flags"),
+      sr_step<kBf16, 1, false, true, kStep, 256>("static flags, 256 threads"),
+      sr_step<kBf16, 1, true, true, kStep>("pipelined, static flags"),
+      sr_step<kBf16, 1, true, true, kStep, 256, 3>("pipelined, static flags, 256 threads, 3 blocks an SM"),
+      sr_step<kBf16, 2, false, true, kStep, 512, 2>("2 packs, static flags, 2 blocks an SM"),
+      sr_step<kBf16, 2, false, false, kStep, 512, 2>("2 packs, runtime flags, 2 blocks an SM"),
+      sr_step<kBf16, 1, false, true, kNearest>("round to nearest (no hashes), static flags"),
+      sr_step<kBf16, 1, false, true, kMemory>("memory only (loads, one add, stores)"),
+      variant<kAdamLists, CsrcFp32State>("csrc's AdamFunctor", "fp32 state", true),
+      sr_step<kFp32, 1, false, true, kStep>("static flags"),
+      sr_step<kFp32, 1, false, true, kStep, 256>("static flags, 256 threads"),
+      sr_step<kFp32, 1, true, true, kStep, 256, 3>("pipelined, static flags, 256 threads, 3 blocks an SM"),
+      sr_step<kFp32, 2, false, true, kStep, 512, 2>("2 packs, static flags, 2 blocks an SM"),
+      sr_step<kFp32, 1, false, true, kMemory>("memory only (loads, one add, stores)"),
       variant<kAdam8Lists, Csrc8bit>("csrc's Adam8Functor", "8bit", true),
       variant<kAdam8Lists, Csrc8bit, 512, 2>("Adam8Functor, 2 blocks an SM", "8bit", true),
       variant<kAdam8Lists, Csrc8bit, 256>("Adam8Functor, 256 threads", "8bit", true),

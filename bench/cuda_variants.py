@@ -3,23 +3,29 @@ variants of bench/cuda_variants.cu, built with csrc's formulas and functors,
 timed against the extension's own ``adamw_step_and_zero_`` and a
 device-to-device fp32 copy in the same interleaved rounds.
 
-Two groups, each on bf16 params with stochastic rounding, from the fp32
+Three groups, each on bf16 params with stochastic rounding, from the fp32
 buffer:
-  defaults  bf16 state: csrc's AdamFunctor and variants of its loop (flags as
-            template constants, the next pack loaded before this pack's
-            arithmetic, two packs loaded first, other launch bounds), and two
-            floors: the step rounded to nearest (what the hashes cost) and its
-            loads and stores around a single add (what its access pattern costs)
-  8bit      8-bit state: csrc's Adam8Functor under other launch bounds
+  defaults    bf16 state: csrc's AdamFunctor and variants of its loop (flags
+              as template constants, the next pack loaded before this pack's
+              arithmetic, two packs loaded first, other launch bounds), and two
+              floors: the step rounded to nearest (what the hashes cost) and
+              its loads and stores around a single add (what its access
+              pattern costs)
+  fp32 state  the same for fp32 state: issue #27's yardstick, the defaults'
+              GB/s over this step's (a change that speeds both moves it less)
+  8bit        8-bit state: csrc's Adam8Functor under other launch bounds
 
 Bytes model (per element): defaults 20 (read p 2, g 4, m 2, v 2; write p 2,
-m 2, v 2, g = 0 4); 8bit 16 + 16/256 (p 4, g 8, codes 4, two fp32 scales
-read and written per block of 256); the copy 8. Every variant that computes
-the step must give the extension's bits (params, state and the cleared
-buffer, checked on the timed tensors before timing); registers, spills and
-resident blocks an SM are read off each kernel on the device.
+m 2, v 2, g = 0 4); fp32 state 28 (m and v 4 each way); 8bit 16 + 16/256 (p 4,
+g 8, codes 4, two fp32 scales read and written per block of 256); the copy 8.
+Every variant that computes the step must give the extension's bits (params,
+state and the cleared buffer, checked on the timed tensors before timing);
+registers, spills and resident blocks an SM are read off each kernel on the
+device. Last, for each variant both state groups have, the defaults' GB/s over
+the fp32-state step's (ratio of medians: the groups are timed one after the
+other).
 
-Needs a CUDA GPU, nvcc and ninja; builds in about a minute and a half.
+Needs a CUDA GPU, nvcc and ninja; builds in about two minutes.
 ``python -m bench.cuda_variants`` (bench/gpu_check.sh runs it).
 """
 
@@ -38,21 +44,25 @@ from accumkernels import _state8
 from . import common
 
 ROOT = Path(__file__).resolve().parent.parent
-BYTES_PER_ELEMENT = {"defaults": 20, "8bit": 16 + 16 / 256}
+BYTES_PER_ELEMENT = {"defaults": 20, "fp32 state": 28, "8bit": 16 + 16 / 256}
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, seed=3)
 
 
-def build():
-    """The variants' module, built with the extension's nvcc flags (no contraction)."""
+def build(directory: str | None = None):
+    """The variants' module, built with the extension's nvcc flags (no
+    contraction) in ``directory`` (a fresh temporary one by default; ninja
+    rebuilds nothing where an earlier build there is up to date)."""
     from torch.utils.cpp_extension import load
 
+    if directory:
+        Path(directory).mkdir(parents=True, exist_ok=True)
     return load(
         name="ak_cuda_variants",
         sources=[str(ROOT / "bench" / "cuda_variants.cu")],
         extra_include_paths=[str(ROOT / "csrc" / "include"), str(ROOT / "csrc")],
         extra_cflags=["-O3", "-std=c++20"],
         extra_cuda_cflags=["-O3", "-std=c++20", "-lineinfo", "--fmad=false"],
-        build_directory=tempfile.mkdtemp(prefix="ak-cuda-variants-"),
+        build_directory=directory or tempfile.mkdtemp(prefix="ak-cuda-variants-"),
     )
 
 
@@ -87,9 +97,10 @@ def inputs(group: str, n: int, device) -> dict[str, torch.Tensor]:
         "p": torch.randn(n, device=device, generator=gen).bfloat16(),
         "g": torch.randn(n, device=device, generator=gen) * 1e-3,
     }
-    if group == "defaults":
-        t["m"] = (torch.randn(n, device=device, generator=gen) * 1e-3).bfloat16()
-        t["v"] = (torch.randn(n, device=device, generator=gen) * 1e-3).square().bfloat16()
+    if group != "8bit":
+        dtype = torch.bfloat16 if group == "defaults" else torch.float32
+        t["m"] = (torch.randn(n, device=device, generator=gen) * 1e-3).to(dtype)
+        t["v"] = (torch.randn(n, device=device, generator=gen) * 1e-3).square().to(dtype)
         return t
     t["m"] = torch.zeros(n, device=device, dtype=torch.uint8)
     t["v"] = torch.zeros(n, device=device, dtype=torch.uint8)
@@ -180,6 +191,26 @@ def time_group(module, group, indices, n, reps, device) -> list[dict]:
     return rows
 
 
+def state_ratios(rows: list[dict]) -> list[dict]:
+    """For each case both state groups timed (the extension's step and the
+    variants of one name), the defaults' GB/s over the fp32-state step's; and
+    the defaults' variants over the extension's fp32-state step (a change made
+    to the defaults' step alone)."""
+    by_group = {}
+    for row in rows:
+        by_group.setdefault(row["group"], {})[row["name"]] = row["gbps"]
+    defaults, fp32 = by_group.get("defaults", {}), by_group.get("fp32 state", {})
+    extension = "extension's adamw_step_and_zero_ (cuda)"
+    out = [{"name": name, "ratio": gbps / fp32[name]} for name, gbps in defaults.items() if name in fp32]
+    if extension in fp32:
+        out += [
+            {"name": f"{name}, over the extension's fp32-state step", "ratio": gbps / fp32[extension]}
+            for name, gbps in defaults.items()
+            if name != extension and not name.startswith("torch")
+        ]
+    return [r for r in out if not r["name"].startswith("torch")]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -187,11 +218,16 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--reps", type=int, default=15, help="interleaved timed rounds (median reported)")
     parser.add_argument("--results-dir", default=None, help="where to write cuda-variants.json")
+    parser.add_argument("--build-dir", default=None, help="build (or reuse the build) there (default: a fresh one)")
+    parser.add_argument("--build-only", action="store_true", help="build the module and stop (no GPU needed)")
     args = parser.parse_args(argv)
+    if args.build_only:
+        build(args.build_dir)
+        return 0
     if not torch.cuda.is_available() or "cuda" not in ak.available_backends():
         raise SystemExit("bench.cuda_variants needs a CUDA GPU and the extension's cuda backend")
     device = torch.device("cuda")
-    module = build()
+    module = build(args.build_dir)
     groups = {}
     for i, (_, group, _) in enumerate(module.variants()):
         groups.setdefault(group, []).append(i)
@@ -200,10 +236,11 @@ def main(argv=None) -> int:
         for group, indices in groups.items()
         for row in time_group(module, group, indices, args.numel, args.reps, device)
     ]
+    ratios = state_ratios(rows)
     record = common.machine_record(device)
     path = common.write_results(
         "cuda-variants",
-        {"machine": record, "numel": args.numel, "reps": args.reps, "hyper": HYPER, "rows": rows},
+        {"machine": record, "numel": args.numel, "reps": args.reps, "hyper": HYPER, "rows": rows, "ratios": ratios},
         args.results_dir,
     )
     print(
@@ -226,6 +263,9 @@ def main(argv=None) -> int:
             ],
         )
     )
+    print()
+    print("defaults' GB/s over the fp32-state step's (issue #27: 0.9 or more)")
+    print(common.table(ratios, [("name", "variant", "s"), ("ratio", "defaults / fp32 state", ".3f")]))
     print(f"wrote {path}")
     return 1 if any(row.get("same_bits") == "NO" for row in rows) else 0
 
