@@ -6,7 +6,7 @@
 #   make gpu-deps                      # here, once: setuptools into .gpu-deps/
 #   OUT=... bash bench/gpu_check.sh    # there, carrying .gpu-deps
 #
-# It writes 11 files; a lent machine returns 8 from its $OUT, so there run it as
+# It writes 12 files; a lent machine returns 8 from its $OUT, so there run it as
 #   R=$OUT; OUT=/tmp/gc bash bench/gpu_check.sh; tar czf $R/gpu-check.tgz -C /tmp gc
 #
 # In order, each step with its own time limit so that a hang costs one step
