@@ -142,30 +142,20 @@ struct SrStep {
   }
 };
 
-// multi_tensor_kernel's body (the chunk's length a run-time value, as there)
-// under other launch bounds: kMinBlocks 0 names none, as multi_tensor_kernel
-// (ptxas then keeps the extension's register counts; an explicit minimum of
-// 1 lets it take more).
-template <int D, typename Step>
-__device__ __forceinline__ void variant_body(const Meta<D>& meta, Step step, AdamHyper h, StepScale scale,
-                                             bool zero_buffers, uint32_t seed) {
-  const int tensor = meta.block_to_tensor[blockIdx.x];
-  const int64_t chunk = meta.block_to_chunk[blockIdx.x];
-  const int64_t start = chunk * kChunk;
-  const int64_t n = min(kChunk, meta.numel[tensor] - start);
-  step(meta, tensor, start, n, meta.first_global_chunk + static_cast<int>(blockIdx.x), h, scale, zero_buffers, seed);
-}
-
+// multi_tensor_kernel's body (run_block_chunk, the chunk's length a run-time
+// value, as there) under other launch bounds: kMinBlocks 0 names none, as
+// multi_tensor_kernel (ptxas then keeps the extension's register counts; an
+// explicit minimum of 1 lets it take more).
 template <int D, typename Step, int kThreads>
 __global__ void __launch_bounds__(kThreads)
     bounded_kernel(const Meta<D> meta, Step step, AdamHyper h, StepScale scale, bool zero_buffers, uint32_t seed) {
-  variant_body(meta, step, h, scale, zero_buffers, seed);
+  run_block_chunk(meta, step, h, scale, zero_buffers, seed);
 }
 
 template <int D, typename Step, int kThreads, int kMinBlocks>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     min_blocks_kernel(const Meta<D> meta, Step step, AdamHyper h, StepScale scale, bool zero_buffers, uint32_t seed) {
-  variant_body(meta, step, h, scale, zero_buffers, seed);
+  run_block_chunk(meta, step, h, scale, zero_buffers, seed);
 }
 
 template <int D, typename Step, int kThreads, int kMinBlocks>
@@ -267,10 +257,13 @@ std::vector<std::tuple<std::string, std::string, bool>> variants() {
   return out;
 }
 
-std::tuple<int, int, int> resources_of(int64_t index) {
+// Variant `index`, or an error naming the index.
+const Variant& variant_at(int64_t index) {
   TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(all_variants().size()), "no variant ", index);
-  return all_variants()[index].resources();
+  return all_variants()[index];
 }
+
+std::tuple<int, int, int> resources_of(int64_t index) { return variant_at(index).resources(); }
 
 // Variant `index`'s AdamW step over its lists (one tensor each, in the
 // extension's list order; None where the list is empty), with the
@@ -278,8 +271,7 @@ std::tuple<int, int, int> resources_of(int64_t index) {
 // uses (the op counts it itself first).
 void run(int64_t index, const std::vector<std::optional<at::Tensor>>& tensors, double lr, double beta1, double beta2,
          double eps, double weight_decay, int64_t seed) {
-  TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(all_variants().size()), "no variant ", index);
-  const Variant& v = all_variants()[index];
+  const Variant& v = variant_at(index);
   TORCH_CHECK(static_cast<int>(tensors.size()) == v.lists, v.name, " takes ", v.lists, " lists");
   TORCH_CHECK(tensors[0].has_value() && tensors[0]->is_cuda(), "list 0 (the param) must be a CUDA tensor");
   const int64_t n = tensors[0]->numel();

@@ -45,14 +45,22 @@ struct Meta {
   int first_global_chunk;  // global index of this launch's first chunk (grad_norm partials)
 };
 
+// One block's work: look up its (tensor, chunk) and run the functor on that
+// chunk. The body of multi_tensor_kernel, and of any kernel that runs the same
+// functors under other launch bounds (bench/cuda_variants.cu).
 template <int D, typename Functor, typename... Args>
-__global__ void __launch_bounds__(kBlock) multi_tensor_kernel(const Meta<D> meta, Functor functor,
-                                                              Args... args) {
+__device__ __forceinline__ void run_block_chunk(const Meta<D>& meta, Functor functor, Args... args) {
   const int tensor = meta.block_to_tensor[blockIdx.x];
   const int64_t chunk = meta.block_to_chunk[blockIdx.x];
   const int64_t start = chunk * kChunk;
   const int64_t n = min(kChunk, meta.numel[tensor] - start);
   functor(meta, tensor, start, n, meta.first_global_chunk + static_cast<int>(blockIdx.x), args...);
+}
+
+template <int D, typename Functor, typename... Args>
+__global__ void __launch_bounds__(kBlock) multi_tensor_kernel(const Meta<D> meta, Functor functor,
+                                                              Args... args) {
+  run_block_chunk(meta, functor, args...);
 }
 
 // The most chunks one launch of `kernel` takes on the current device: whole
