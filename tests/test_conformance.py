@@ -9,7 +9,8 @@ torch.optim (params and every state tensor) with contiguous and non-contiguous
 params and with two param groups of their own lr and weight decay, the right
 direction, a no-op without gradients and for zero gradients, printable,
 deterministic state dicts, older state dicts (no flag keys, non-tensor steps),
-deep copies that keep the public attributes, and torch's error inputs.
+deep copies that keep the public attributes, torch's random stream left
+as torch.optim leaves it (untouched), and torch's error inputs.
 
 What we refuse on purpose: ``differentiable=True`` (the fused step is not
 differentiable; docs/optimizers.md lists it).
@@ -300,6 +301,34 @@ def test_deepcopy_keeps_the_public_attributes(cls, kwargs, way):
     assert public == {k for k in vars(copied) if not k.startswith("_")}
     for key in public - {"optimizer", "param_groups", "state", "defaults"}:
         assert getattr(copied, key) == getattr(opt, key), key
+
+
+@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("cls", list(OURS), ids=lambda c: c.__name__)
+def test_leaves_torchs_random_stream_as_torch(cls, dtype, way):
+    """torch.optim draws no random numbers: constructing ours and stepping it
+    leave torch's CPU generator where it was too, so a run that swaps in ours
+    gets the same data order and dropout. The stochastic-rounding seed drawn
+    in its place still follows torch.manual_seed."""
+
+    def seed_after(manual_seed: int) -> int:
+        torch.manual_seed(manual_seed)
+        before = torch.get_rng_state()
+        gen = torch.Generator().manual_seed(1)
+        params = [torch.randn(10, 5, generator=gen).to(dtype).requires_grad_(), torch.zeros(10, dtype=dtype)]
+        params[1].requires_grad_()
+        opt = _build(way, cls, params, {"lr": 0.01})
+        for _ in range(2):
+            for _ in range(2 if way == "wrapper-accum2" else 1):
+                (params[0].float().sin().sum() + params[1].float().square().sum()).backward()
+                opt.step()
+            opt.zero_grad()
+        assert torch.equal(torch.get_rng_state(), before), "the optimizer moved torch's generator"
+        return opt.state_dict()["accumkernels"]["seed"]
+
+    assert seed_after(3) == seed_after(3)
+    assert seed_after(3) != seed_after(4)
 
 
 def _error_cases():

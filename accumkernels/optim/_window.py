@@ -24,10 +24,16 @@ NORMALIZE = ("mean", "sum", "items")
 
 def run_seed(seed: int | None, device: torch.device, group=None, world: int = 1) -> int:
     """The stochastic-rounding seed of a run: the one given, or one drawn from
-    torch's generator (rank 0's in distributed runs: every rank that rounds the
-    same elements must draw the same bits)."""
+    torch's CPU generator without advancing it (rank 0's in distributed runs:
+    every rank that rounds the same elements must draw the same bits).
+
+    Not advancing it keeps torch.optim's behaviour: constructing an optimizer
+    leaves the caller's random stream (data order, dropout, later inits) where
+    it was, so a run that swaps torch.optim.AdamW for ours sees the same
+    random numbers. The seed still follows torch.manual_seed."""
     if seed is None:
-        seed = int(torch.randint(0, 2**32, (), dtype=torch.int64))
+        with torch.random.fork_rng(devices=[]):
+            seed = int(torch.randint(0, 2**32, (), dtype=torch.int64))
         if world > 1:
             import torch.distributed as dist
 

@@ -91,7 +91,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             torch.optim.AdamW loads). Default (None): bf16 for bf16 params
             without master weights, else fp32.
         seed: the stochastic-rounding seed of the run (default: drawn from torch's
-            generator); saved in ``state_dict()``.
+            CPU generator without advancing it, as torch.optim leaves it);
+            saved in ``state_dict()``.
         grad_scaler: the ``torch.amp.GradScaler`` scaling the loss, if any (one
             that calls ``step()`` is found without it); a window with an inf or NaN
             is skipped whole and the scaler backs off.
