@@ -637,6 +637,32 @@ def test_sparse_gradients_refused_by_hooks_and_densified_by_grad_intake():
     torch.testing.assert_close(emb.weight, plain.weight)
 
 
+@pytest.mark.parametrize("name", ["Adam", "AdamW"])
+def test_sparse_gradients_step_as_torchs_dense_adam(name):
+    """torch's Adam and AdamW refuse sparse gradients; ours (intake "grad", the
+    default here) add them into the dense fp32 buffer and step the dense
+    gradient they equal: torch's step on the same embedding with dense
+    gradients (docs/optimizers.md, different on purpose)."""
+    sparse = nn.Embedding(10, 4, sparse=True)
+    dense = copy.deepcopy(sparse)
+    dense.sparse = False
+    with pytest.raises(RuntimeError, match="sparse gradients"):
+        probe = copy.deepcopy(sparse)
+        probe(torch.tensor([1])).sum().backward()
+        getattr(torch.optim, name)(probe.parameters()).step()
+    ours = getattr(ak, name)(sparse.parameters(), lr=0.01, weight_decay=0.1)
+    plain = getattr(torch.optim, name)(dense.parameters(), lr=0.01, weight_decay=0.1)
+    for idx in (torch.tensor([1, 2, 2]), torch.tensor([7, 1]), torch.tensor([3])):
+        for emb, opt in ((sparse, ours), (dense, plain)):
+            emb(idx).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    # The same fp32 gradient each step: only the update's operation order
+    # differs, at most 8 fp32 ulps of the largest weight a step (test_conformance's bound).
+    bound = 3 * 8 * torch.finfo(torch.float32).eps * dense.weight.detach().abs().max().item()
+    torch.testing.assert_close(sparse.weight, dense.weight, rtol=0, atol=bound)
+
+
 def test_items_mode_needs_positive_num_items():
     model = mlp()
     opt = ak.AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), normalize="items")
