@@ -334,6 +334,41 @@ def test_step_hooks_run_around_every_step_call():
     assert calls == ["pre"] * 4 and updates == [False, True, False, True]
 
 
+@pytest.mark.parametrize("make", ["class", "wrapper"])
+def test_state_dict_hooks_run_as_torchs(make):
+    """The four state-dict hooks of torch.optim.Optimizer run on ours as on
+    torch's: in the same order, a state_dict post-hook's return replaces the
+    dict, a load pre-hook's return is what is loaded (here with another lr),
+    and copies keep none of them."""
+
+    def run(build):
+        p = torch.ones(3, requires_grad=True)
+        opt, calls = build([p]), []
+        opt.register_state_dict_pre_hook(lambda o: calls.append("save pre"))
+        opt.register_state_dict_post_hook(lambda o, sd: calls.append("save post") or {**sd, "note": 1})
+        opt.register_load_state_dict_pre_hook(
+            lambda o, sd: (
+                calls.append(("load pre", sd.get("note")))
+                or {**sd, "param_groups": [dict(g, lr=0.5) for g in sd["param_groups"]]}
+            )
+        )
+        opt.register_load_state_dict_post_hook(lambda o: calls.append(("load post", o.param_groups[0]["lr"])))
+        p.sum().backward()
+        opt.step()
+        saved = opt.state_dict()
+        opt.load_state_dict(saved)
+        copy.deepcopy(opt).state_dict()  # runs no hook
+        return calls, saved.get("note"), opt.param_groups[0]["lr"]
+
+    plain = run(lambda ps: torch.optim.SGD(ps, lr=0.1))
+    if make == "class":
+        ours = run(lambda ps: ak.SGD(ps, lr=0.1))
+    else:
+        ours = run(lambda ps: ak.AccumulatingOptimizer(torch.optim.SGD(ps, lr=0.1)))
+    assert plain == (["save pre", "save post", ("load pre", 1), ("load post", 0.5)], 1, 0.5)
+    assert ours == plain
+
+
 def test_step_hooks_global_ones_and_profiler_range_as_torchs():
     """The wrapper opens step()'s profiler range itself (a cheaper guard than
     torch's, accumkernels.optim.wrapper.profile_hook_step): the order of global

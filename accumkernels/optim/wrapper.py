@@ -414,13 +414,30 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         """The wrapped optimizer's state dict (loadable by the plain optimizer),
         plus an ``"accumkernels"`` entry with the in-window state: buffers
         (None at a window boundary, where they hold nothing), counts, inf
-        flags, master weights, seed. Per rank in distributed runs."""
-        self._refuse_during_reduction("state_dict()")
-        _checkpoint.refuse_dcp_mid_window(self._window)
+        flags, master weights, seed. Per rank in distributed runs. The hooks
+        registered on the wrapper run as torch.optim runs them: the pre-hooks
+        first, then the post-hooks, whose non-None return replaces the dict."""
+        self._refuse_saving("state_dict()")
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         self._intake.flush()
         sd = self.optimizer.state_dict()
+        sd["accumkernels"] = self._window_entry()
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, sd)
+            if result is not None:
+                sd = result
+        return sd
+
+    def _refuse_saving(self, what: str) -> None:
+        """Refuses to save while a reduction is in flight, or mid-window into DCP."""
+        self._refuse_during_reduction(what)
+        _checkpoint.refuse_dcp_mid_window(self._window)
+
+    def _window_entry(self) -> dict[str, Any]:
+        """state_dict()'s ``"accumkernels"`` entry (the intake flushed)."""
         empty = not self._window.micro_steps and not self._window.touched  # at a window boundary: nothing to keep
-        sd["accumkernels"] = {
+        return {
             "flat_buffer": None if empty else self._intake.saved_sums(),
             **self._window.state_dict(),
             "master_weights": {r.index: r.master.clone() for r in self._layout if r.master is not None},
@@ -429,16 +446,24 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             "sharded": self.sharded,
             "accum_steps": self.accum_steps,
         }
-        return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a checkpoint of this wrapper, or of the plain wrapped optimizer
         (the window then starts empty). Everything is checked before anything is
         written: a refused checkpoint leaves the wrapper as it was. Distributed:
-        every rank loads its own, with the same world size."""
+        every rank loads its own, with the same world size. As torch.optim: the
+        pre-hooks get a shallow copy (a non-None return replaces it), the
+        post-hooks run once it is loaded."""
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         _checkpoint.load(self, state_dict)
         self._intake.flush()
         self._intake.ready_for_backward()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     # ---- copies -------------------------------------------------------------
 
@@ -452,7 +477,11 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 "a distributed AccumulatingOptimizer cannot be copied or pickled (it holds a process "
                 "group): save opt.state_dict() on every rank and load it into a new one"
             )
-        return {"optimizer": self.optimizer, "arguments": self._arguments, "window": self.state_dict()["accumkernels"]}
+        # The window's entry without the state-dict hooks registered on this
+        # wrapper: a copy runs none and keeps none, as torch.optim's.
+        self._refuse_saving("copying")
+        self._intake.flush()
+        return {"optimizer": self.optimizer, "arguments": self._arguments, "window": self._window_entry()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         AccumulatingOptimizer.__init__(self, state["optimizer"], **state["arguments"])
