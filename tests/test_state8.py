@@ -427,6 +427,35 @@ def test_what_8bit_state_does_not_do_yet_is_refused_at_construction(make, match)
         make(_model())
 
 
+@pytest.mark.parametrize("accum_steps", [None, 2], ids=["loop-counts", "accum_steps=2"])
+def test_amsgrad_switched_on_later_is_refused_before_the_step(accum_steps):
+    """A group's amsgrad set to True after building (8-bit state has no
+    max_exp_avg_sq) is refused by name at the window's step, before anything
+    is stepped: with it set back, the same step() goes on as if never touched."""
+    model = _model()
+    twin = copy.deepcopy(model)
+    xs = [torch.randn(3, 300).bfloat16() for _ in range(4)]
+    opts = [
+        ak.AdamW(m.parameters(), lr=1e-2, state_dtype="8bit", accum_steps=accum_steps, seed=7) for m in (model, twin)
+    ]
+    per_window = accum_steps or 1
+    for i, x in enumerate(xs):
+        for m, opt in zip((model, twin), opts):
+            m(x).float().square().mean().backward()
+            last = (i + 1) % per_window == 0
+            if m is model and i == 1 and last:
+                opt.param_groups[0]["amsgrad"] = True
+                before = [p.detach().clone() for p in m.parameters()]
+                with pytest.raises(ValueError, match="amsgrad=True.*param group 0"):
+                    opt.step()
+                assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+                opt.param_groups[0]["amsgrad"] = False
+            opt.step()
+            if accum_steps is None or last:
+                opt.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+
+
 def test_native_entry_checks_8bit_arguments_by_name(native_only):
     """Called directly (torch.ops, past accumkernels.ops' checks), the native
     kernels still refuse wrong scales and amsgrad with 8-bit state, by name,

@@ -98,7 +98,7 @@ def check_options(
         if flag and optimizer_kind(optimizer) == "fallback":
             raise ValueError(f"{name} needs SGD, Adam or AdamW (the fused step); got {type(optimizer).__name__}")
     if state_dtype == "8bit":
-        _check_8bit_state(optimizer)
+        check_8bit_state(optimizer)
     if master_weights and stochastic_rounding:
         raise ValueError("master_weights and stochastic_rounding=True exclude each other: choose one")
     initialized = dist.is_available() and dist.is_initialized()
@@ -162,11 +162,17 @@ def check_options(
 _NO_REPLICAS = object()  # a pipeline stage no other rank holds: nothing to reduce
 
 
-def _check_8bit_state(optimizer) -> None:
+def check_8bit_state(optimizer) -> None:
     """state_dtype='8bit' (accumkernels._state8): SGD (its momentum buffers),
-    Adam or AdamW without amsgrad (a fallback optimizer is refused before)."""
-    if any(group.get("amsgrad") for group in optimizer.param_groups):
-        raise ValueError("state_dtype='8bit' does not support amsgrad=True (its max_exp_avg_sq would need a code too)")
+    Adam or AdamW without amsgrad (a fallback optimizer is refused before).
+    Checked when built and again at every window's step (a group's amsgrad
+    switched on in between), before anything is stepped."""
+    for i, group in enumerate(optimizer.param_groups):
+        if group.get("amsgrad"):
+            raise ValueError(
+                f"state_dtype='8bit' does not support amsgrad=True (its max_exp_avg_sq would need a code too): "
+                f"param group {i} has it; set it to False, or build the optimizer with state_dtype=torch.bfloat16"
+            )
 
 
 def _data_parallel_group(params, process_group, initialized):

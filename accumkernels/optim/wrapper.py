@@ -28,7 +28,7 @@ from . import _checkpoint, _fsdp, _guards
 from ._amp import LossScale
 from ._intake import INTAKE_CLASSES, INTAKES, holds_buffers, make_intake
 from ._layout import Layout, param_signature
-from ._options import check_options
+from ._options import check_8bit_state, check_options
 from ._sync import make_sync
 from ._update import Updater, clip_coefficient
 from ._window import Window, run_seed
@@ -505,7 +505,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     def _check_param_groups(self, every_param: bool) -> None:
         """The wrapped optimizer's param groups are those it was wrapped with:
         at every step() their count and lists (add_param_group, a group's list
-        replaced or grown), before a window's step every param."""
+        replaced or grown), before a window's step every param, and that no
+        group of 8-bit state has had amsgrad switched on."""
         groups = self.optimizer.param_groups
         if every_param:
             changed = param_signature(self.optimizer) != self._signature
@@ -516,6 +517,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 "the wrapped optimizer's params changed after wrapping (a param group was added or "
                 "edited); add every param group before wrapping it"
             )
+        if every_param and self._arguments["state_dtype"] == "8bit":
+            check_8bit_state(self.optimizer)
 
     def _refuse_during_reduction(self, what: str) -> None:
         if self._sync.started:
