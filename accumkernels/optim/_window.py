@@ -33,7 +33,7 @@ def run_seed(seed: int | None, device: torch.device, group=None, world: int = 1)
     random numbers. The seed still follows torch.manual_seed."""
     if seed is None:
         with torch.random.fork_rng(devices=[]):
-            seed = int(torch.randint(0, 2**32, (), dtype=torch.int64))
+            seed = int(torch.randint(0, 2**32, (), dtype=torch.int64, device="cpu"))
         if world > 1:
             import torch.distributed as dist
 
