@@ -756,8 +756,10 @@ def test_staged_unfreezing(backend, intake):
 
 
 def test_a_refused_checkpoint_changes_nothing(backend):
-    """Another model with as many params of other shapes: load_state_dict
-    raises before anything is written, and the wrapper trains on as before."""
+    """Another model with as many params of other shapes, or our own
+    checkpoint with a param's Adam step missing (torch's AdamW would raise
+    KeyError half-loaded), negative or fractional: load_state_dict raises
+    before anything is written, and the wrapper trains on as before."""
     x, y = data()
 
     def trained(model):
@@ -777,8 +779,18 @@ def test_a_refused_checkpoint_changes_nothing(backend):
     other_opt.step()
     other_opt.step()
     snapshot = copy.deepcopy(opt.state_dict())
-    for bad in (other_opt.state_dict(), {k: v for k, v in other_opt.state_dict().items() if k != "accumkernels"}):
-        with pytest.raises(ValueError, match="shape|elements"):
+
+    def with_step(step):
+        bad = copy.deepcopy(snapshot)
+        bad["state"][0].pop("step")
+        if step is not None:
+            bad["state"][0]["step"] = step
+        return bad
+
+    bads = [other_opt.state_dict(), {k: v for k, v in other_opt.state_dict().items() if k != "accumkernels"}]
+    bads += [with_step(None), with_step(torch.tensor(-1.0)), with_step(1.5), with_step(torch.ones(2))]
+    for bad in bads:
+        with pytest.raises(ValueError, match="shape|elements|'step'"):
             opt.load_state_dict(copy.deepcopy(bad))
         after = opt.state_dict()
         for p in snapshot["state"]:

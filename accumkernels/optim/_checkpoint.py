@@ -11,11 +11,14 @@ named, and the wrapper goes on as it was.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .._state8 import MOMENTS, decode_moment, scales_numel
 from ._discovery import calling_frame
 from ._fsdp import local_tensor, shard_like, state8_blocks
+from ._update import optimizer_kind
 
 
 def _params_in_saved_order(wrapper, state_dict) -> list:
@@ -49,8 +52,16 @@ def check_loadable(wrapper, state_dict: dict, extra: dict | None) -> None:
             )
     elif wrapper.sharded:
         raise ValueError("sharded=True loads only its own state dicts (a plain optimizer's holds whole params)")
+    counts_steps = optimizer_kind(wrapper.optimizer) in ("adam", "adamw")
     for saved_id, r in _params_in_saved_order(wrapper, state_dict):
         entries = state_dict["state"].get(saved_id, {})
+        if counts_steps and entries:  # torch's Adam would fail on it half-loaded (KeyError in __setstate__)
+            if "step" not in entries:
+                raise ValueError(
+                    f"checkpoint's state of param {r.index} has no 'step' (it has {', '.join(map(str, entries))}); "
+                    "Adam's and AdamW's state needs one"
+                )
+            _check_step(entries["step"], r)
         for moment in MOMENTS:  # 8-bit state: codes without their scales (or the reverse) cannot be decoded
             if (moment + "_codes" in entries) != (moment + "_scales" in entries):
                 raise ValueError(
@@ -116,6 +127,20 @@ def check_loadable(wrapper, state_dict: dict, extra: dict | None) -> None:
                 f"checkpoint's master weights of param {i} are {master.dtype}, saved with "
                 f"{kinds.get(master.dtype, master.dtype)}; this wrapper keeps {kinds[ours[i].dtype]}"
             )
+
+
+def _check_step(step, r) -> None:
+    """A step count: one element (a tensor or a number), a whole number >= 0
+    (step 0 state is what a first step creates; a negative one would divide
+    by a zero bias correction)."""
+    if torch.is_tensor(step) and step.numel() != 1:
+        raise ValueError(f"checkpoint's 'step' of param {r.index} has {step.numel()} elements; expected 1")
+    try:
+        value = float(step)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not (math.isfinite(value) and value >= 0 and value == int(value)):
+        raise ValueError(f"checkpoint's 'step' of param {r.index} is {step!r}; expected a whole number >= 0")
 
 
 def _check_8bit_entry(key: str, value: torch.Tensor, like: torch.Tensor, r) -> None:
