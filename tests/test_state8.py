@@ -456,6 +456,22 @@ def test_amsgrad_switched_on_later_is_refused_before_the_step(accum_steps):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
 
 
+def test_an_amsgrad_checkpoint_is_refused_whole_by_8bit_state():
+    """torch's AdamW(amsgrad=True) state dict would switch amsgrad on in the
+    8-bit optimizer's groups: refused by name before anything is loaded."""
+    model = _model()
+    plain = torch.optim.AdamW(model.parameters(), lr=1e-2, amsgrad=True)
+    model(torch.randn(3, 300).bfloat16()).float().square().mean().backward()
+    plain.step()
+    plain.zero_grad()
+    opt = ak.AdamW(model.parameters(), lr=1e-2, state_dtype="8bit", seed=7)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match="amsgrad=True.*the checkpoint's param group 0"):
+        opt.load_state_dict(plain.state_dict())
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"] and not after["state"]
+
+
 def test_native_entry_checks_8bit_arguments_by_name(native_only):
     """Called directly (torch.ops, past accumkernels.ops' checks), the native
     kernels still refuse wrong scales and amsgrad with 8-bit state, by name,

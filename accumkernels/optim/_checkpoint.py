@@ -18,6 +18,7 @@ import torch
 from .._state8 import MOMENTS, decode_moment, scales_numel
 from ._discovery import calling_frame
 from ._fsdp import local_tensor, shard_like, state8_blocks
+from ._options import check_8bit_state
 from ._update import optimizer_kind
 
 
@@ -52,6 +53,9 @@ def check_loadable(wrapper, state_dict: dict, extra: dict | None) -> None:
             )
     elif wrapper.sharded:
         raise ValueError("sharded=True loads only its own state dicts (a plain optimizer's holds whole params)")
+    saved_groups = state_dict.get("param_groups")
+    if wrapper._arguments["state_dtype"] == "8bit" and isinstance(saved_groups, list):
+        check_8bit_state(saved_groups, whose="the checkpoint's ")
     counts_steps = optimizer_kind(wrapper.optimizer) in ("adam", "adamw")
     for saved_id, r in _params_in_saved_order(wrapper, state_dict):
         entries = state_dict["state"].get(saved_id, {})

@@ -98,7 +98,7 @@ def check_options(
         if flag and optimizer_kind(optimizer) == "fallback":
             raise ValueError(f"{name} needs SGD, Adam or AdamW (the fused step); got {type(optimizer).__name__}")
     if state_dtype == "8bit":
-        check_8bit_state(optimizer)
+        check_8bit_state(optimizer.param_groups)
     if master_weights and stochastic_rounding:
         raise ValueError("master_weights and stochastic_rounding=True exclude each other: choose one")
     initialized = dist.is_available() and dist.is_initialized()
@@ -162,16 +162,18 @@ def check_options(
 _NO_REPLICAS = object()  # a pipeline stage no other rank holds: nothing to reduce
 
 
-def check_8bit_state(optimizer) -> None:
+def check_8bit_state(param_groups: list[dict], whose: str = "") -> None:
     """state_dtype='8bit' (accumkernels._state8): SGD (its momentum buffers),
     Adam or AdamW without amsgrad (a fallback optimizer is refused before).
-    Checked when built and again at every window's step (a group's amsgrad
-    switched on in between), before anything is stepped."""
-    for i, group in enumerate(optimizer.param_groups):
+    Checked on the groups when built, on a checkpoint's before it is loaded,
+    and again at every window's step (a group's amsgrad switched on in
+    between), before anything is written or stepped."""
+    for i, group in enumerate(param_groups):
         if group.get("amsgrad"):
             raise ValueError(
                 f"state_dtype='8bit' does not support amsgrad=True (its max_exp_avg_sq would need a code too): "
-                f"param group {i} has it; set it to False, or build the optimizer with state_dtype=torch.bfloat16"
+                f"{whose}param group {i} has it; set it to False, or build the optimizer with "
+                "state_dtype=torch.bfloat16"
             )
 
 

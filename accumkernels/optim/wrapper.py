@@ -518,7 +518,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 "edited); add every param group before wrapping it"
             )
         if every_param and self._arguments["state_dtype"] == "8bit":
-            check_8bit_state(self.optimizer)
+            check_8bit_state(self.optimizer.param_groups)
 
     def _refuse_during_reduction(self, what: str) -> None:
         if self._sync.started:
