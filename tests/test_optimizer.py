@@ -907,6 +907,48 @@ def test_compiled_and_checkpointed_models(intake, wrap_model):
     assert rel_diff(ours, plain) <= PARITY
 
 
+@pytest.mark.parametrize(
+    "dtype, options",
+    [
+        (torch.bfloat16, {}),
+        (torch.bfloat16, {"state_dtype": "8bit"}),
+        (torch.bfloat16, {"accum_steps": 2}),
+        (torch.float32, {}),
+    ],
+    ids=["bf16-defaults", "bf16-8bit", "bf16-accum_steps=2", "fp32"],
+)
+def test_a_compiled_step_steps_as_the_eager_one(dtype, options):
+    """torch.compile(opt.step), torch's recipe for compiling an optimizer (and
+    a compiled function calling it with an LR scheduler's step), gives the
+    eager run's params bit for bit: the step runs as it is (with intake "grad"
+    on bf16 params, tracing it failed in torch's fakeification)."""
+    torch.manual_seed(0)
+    xs = [torch.randn(4, 8, dtype=dtype) for _ in range(4)]
+
+    def run(compiled: bool):
+        model = nn.Linear(8, 4).to(dtype)
+        model.load_state_dict({k: v.clone() for k, v in start.items()})
+        opt = ak.AdamW(model.parameters(), lr=1e-2, seed=3, **options)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 / (i + 1))
+
+        def step():
+            opt.step()
+            if opt.window_stepped:
+                sched.step()
+
+        stepper = torch.compile(step) if compiled else step
+        for x in xs:
+            model(x).float().square().sum().backward()
+            stepper()
+            if opt.window_stepped:
+                opt.zero_grad()
+        return [p.detach() for p in model.parameters()]
+
+    start = nn.Linear(8, 4).to(dtype).state_dict()
+    for eager, compiled in zip(run(False), run(True)):
+        assert torch.equal(eager, compiled)
+
+
 # ---- natural mistakes: the plain run's result, or an error naming the setting ----
 
 

@@ -305,6 +305,11 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._window.zero_grad(set_to_none)
         self._intake.zero_grad()
 
+    # torch.compile(opt.step) (torch's recipe for compiling an optimizer) runs
+    # this step as it is: its work is fused kernels already, and Dynamo cannot
+    # trace param_groups here (torch 2.14 fakeifies a bf16 param holding an
+    # fp32 .grad under param.grad_dtype without that grad_dtype, and raises).
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure=None, *, num_items: float | torch.Tensor | None = None):
         """End a micro-step; on the window's last one, update the params.
