@@ -53,19 +53,18 @@ def check_loadable(wrapper, state_dict: dict, extra: dict | None) -> None:
             )
     elif wrapper.sharded:
         raise ValueError("sharded=True loads only its own state dicts (a plain optimizer's holds whole params)")
-    saved_groups = state_dict.get("param_groups")
-    if wrapper._arguments["state_dtype"] == "8bit" and isinstance(saved_groups, list):
-        check_8bit_state(saved_groups, whose="the checkpoint's ")
+    pairs = _params_in_saved_order(wrapper, state_dict)  # (checks that the groups pair with ours)
+    if wrapper._arguments["state_dtype"] == "8bit":
+        check_8bit_state(state_dict["param_groups"], whose="the checkpoint's ")
     counts_steps = optimizer_kind(wrapper.optimizer) in ("adam", "adamw")
-    for saved_id, r in _params_in_saved_order(wrapper, state_dict):
+    for saved_id, r in pairs:
         entries = state_dict["state"].get(saved_id, {})
-        if counts_steps and entries:  # torch's Adam would fail on it half-loaded (KeyError in __setstate__)
-            if "step" not in entries:
-                raise ValueError(
-                    f"checkpoint's state of param {r.index} has no 'step' (it has {', '.join(map(str, entries))}); "
-                    "Adam's and AdamW's state needs one"
-                )
-            _check_step(entries["step"], r)
+        # torch's Adam would take a state without a step half-loaded (KeyError in __setstate__).
+        if counts_steps and entries and "step" not in entries:
+            raise ValueError(
+                f"checkpoint's state of param {r.index} has no 'step' (it has {', '.join(map(str, entries))}); "
+                "Adam's and AdamW's state needs one"
+            )
         for moment in MOMENTS:  # 8-bit state: codes without their scales (or the reverse) cannot be decoded
             if (moment + "_codes" in entries) != (moment + "_scales" in entries):
                 raise ValueError(
@@ -73,6 +72,9 @@ def check_loadable(wrapper, state_dict: dict, extra: dict | None) -> None:
                     f"{moment}_scales; both are needed"
                 )
         for key, value in entries.items():
+            if key == "step":
+                _check_step(value, r, count=counts_steps)
+                continue
             if not torch.is_tensor(value):
                 continue
             # A DTensor (FSDP2 state) is checked against the whole param, a plain
@@ -81,11 +83,7 @@ def check_loadable(wrapper, state_dict: dict, extra: dict | None) -> None:
             if key.endswith(("_codes", "_scales")):  # 8-bit state (accumkernels._state8)
                 _check_8bit_entry(key, value, like, r)
                 continue
-            if key == "step" or value.numel() == 1 and like.numel() != 1:
-                if value.numel() != 1:
-                    raise ValueError(
-                        f"checkpoint's {key!r} of param {r.index} has {value.numel()} elements; expected 1"
-                    )
+            if value.numel() == 1 and like.numel() != 1:  # a scalar state
                 continue
             if not value.is_floating_point():
                 raise ValueError(f"checkpoint's {key!r} of param {r.index} has dtype {value.dtype}; expected a float")
@@ -133,12 +131,15 @@ def check_loadable(wrapper, state_dict: dict, extra: dict | None) -> None:
             )
 
 
-def _check_step(step, r) -> None:
-    """A step count: one element (a tensor or a number), a whole number >= 0
-    (step 0 state is what a first step creates; a negative one would divide
-    by a zero bias correction)."""
+def _check_step(step, r, count: bool) -> None:
+    """A param's 'step': one element (a tensor or a number); where it counts
+    Adam's steps (``count``), a whole number >= 0 (step 0 state is what a
+    first step creates; a negative one would divide by a zero bias
+    correction)."""
     if torch.is_tensor(step) and step.numel() != 1:
         raise ValueError(f"checkpoint's 'step' of param {r.index} has {step.numel()} elements; expected 1")
+    if not count:
+        return
     try:
         value = float(step)
     except (TypeError, ValueError):
