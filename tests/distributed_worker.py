@@ -324,10 +324,18 @@ def misuse(cfg, rank, world):
     """What the wrapper refuses in the window's last micro-step, after its
     backward has launched the reductions: reading the buffers, a second backward
     (and the step() after it, which sees two gradients for a param); and
-    clip_grad_norm_() in distributed runs at all."""
+    clip_grad_norm_() in distributed runs at all; and add_param_group at a
+    window boundary (one process only), which leaves the groups as they were."""
     model = Net()
     opt = wrapped(cfg, model)
     errors = {}
+    groups = len(opt.param_groups)
+    try:
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+        errors["add_param_group"] = None
+    except RuntimeError as e:
+        errors["add_param_group"] = str(e)
+    errors["groups_kept"] = len(opt.param_groups) == groups
     for m in range(N_MICRO - 1):
         micro_step(cfg, model, opt, 0, m, rank)
     x, y = micro_batch(cfg["seed"], 0, rank, N_MICRO - 1, False)

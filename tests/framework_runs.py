@@ -212,6 +212,21 @@ def accelerate_skipped_window(wrap: bool) -> dict:
 # ---- Lightning -------------------------------------------------------------------
 
 
+def lightning_trainer(**options):
+    """A Lightning Trainer on one CPU, quiet (no progress bar, logger, checkpoints or summary)."""
+    import pytorch_lightning as pl
+
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        **options,
+    )
+
+
 def lightning(wrap: bool, precision: str, manual: bool = False) -> dict:
     import pytorch_lightning as pl
     from pytorch_lightning.utilities import grad_norm
@@ -256,16 +271,7 @@ def lightning(wrap: bool, precision: str, manual: bool = False) -> dict:
         options["plugins"] = [MixedPrecision("16-mixed", "cpu")]
     else:
         options["precision"] = precision
-    trainer = pl.Trainer(
-        max_epochs=1,
-        accelerator="cpu",
-        devices=1,
-        enable_progress_bar=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        **options,
-    )
+    trainer = lightning_trainer(max_epochs=1, **options)
     trainer.fit(module, loader)
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     return {
@@ -403,17 +409,7 @@ def lightning_class(wrap: bool, state_dtype: str | None = None) -> dict:
 
     def fit(epochs, ckpt=None):
         module = Module()
-        trainer = pl.Trainer(
-            max_epochs=epochs,
-            accelerator="cpu",
-            devices=1,
-            enable_progress_bar=False,
-            logger=False,
-            enable_checkpointing=False,
-            enable_model_summary=False,
-            accumulate_grad_batches=4,
-            gradient_clip_val=CLIP,
-        )
+        trainer = lightning_trainer(max_epochs=epochs, accumulate_grad_batches=4, gradient_clip_val=CLIP)
         trainer.fit(module, loader, ckpt_path=ckpt)
         return module, trainer
 
@@ -427,6 +423,65 @@ def lightning_class(wrap: bool, state_dtype: str | None = None) -> dict:
         "resumed": params_of(resumed.net),
         "logged_norms": straight.logged,
         "state": state_kinds(straight.opt),
+    }
+
+
+def lightning_finetuning(wrap: bool) -> dict:
+    """Lightning's BackboneFinetuning: the optimizer is built over the head,
+    the callback unfreezes the backbone at the second epoch and adds it with
+    ``optimizer.add_param_group`` (at a tenth of the head's lr, raised each
+    epoch), as fine-tuning a pretrained network goes; 3 epochs straight, and
+    2 epochs, a checkpoint, a new Trainer resuming from it for the third."""
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import BackboneFinetuning
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            net = mlp()
+            self.backbone, self.head = net[:3], net[3]
+            self.logged = []
+
+        def training_step(self, batch, i):
+            return F.mse_loss(self.head(self.backbone(batch[0])), batch[1])
+
+        def on_before_optimizer_step(self, optimizer):
+            from pytorch_lightning.utilities import grad_norm
+
+            self.logged.append(float(grad_norm(self, norm_type=2)["grad_2.0_norm_total"]))
+
+        def configure_optimizers(self):
+            cls = ak.AdamW if wrap else torch.optim.AdamW
+            self.opt = cls(self.head.parameters(), lr=1e-2, weight_decay=0.01, eps=ADAM_EPS)
+            return self.opt
+
+    x, y = regression_data(32)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"ak-finetuning-{wrap:d}-{os.getpid()}.ckpt")
+
+    def fit(epochs, ckpt=None):
+        module = Module()
+        trainer = lightning_trainer(
+            max_epochs=epochs,
+            accumulate_grad_batches=4,
+            gradient_clip_val=CLIP,
+            callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda epoch: 1.5, verbose=False)],
+        )
+        trainer.fit(module, loader, ckpt_path=ckpt)
+        return module, trainer
+
+    straight, _ = fit(3)
+    _, trainer = fit(2)
+    trainer.save_checkpoint(path)
+    # Resuming, BaseFinetuning assigns the saved groups to optimizer.param_groups.
+    resumed, _ = fit(3, ckpt=path)
+    os.remove(path)
+    return {
+        "params": [p.detach().double().flatten().tolist() for p in straight.parameters()],
+        "resumed": [p.detach().double().flatten().tolist() for p in resumed.parameters()],
+        "logged_norms": straight.logged,
+        "groups": [(len(g["params"]), g["lr"]) for g in straight.opt.param_groups],
+        "resumed_groups": [(len(g["params"]), g["lr"]) for g in resumed.opt.param_groups],
     }
 
 
@@ -511,17 +566,7 @@ def accum_steps_under_frameworks() -> dict:
     before = params_of(module.net)
     x, y = regression_data()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
-    trainer = pl.Trainer(
-        max_epochs=1,
-        accelerator="cpu",
-        devices=1,
-        enable_progress_bar=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        accumulate_grad_batches=4,
-        gradient_clip_val=CLIP,
-    )
+    trainer = lightning_trainer(max_epochs=1, accumulate_grad_batches=4, gradient_clip_val=CLIP)
     out["lightning"] = _error_of(lambda: trainer.fit(module, loader))
     out["lightning_moved"] = params_of(module.net) != before
 
@@ -570,6 +615,7 @@ SINGLE_RUNS = {"accum_steps_under_frameworks": accum_steps_under_frameworks}
 RUNS = {
     "hf_trainer_class": hf_trainer_class,
     "lightning_class": lightning_class,
+    "lightning_finetuning": lightning_finetuning,
     "accelerate_state": accelerate_state,
     "hf_trainer": hf_trainer,
     "accelerate_loop": accelerate_loop,

@@ -303,7 +303,8 @@ def buffer_bytes(cfg, rank, world, mesh):
 
 
 def refusals(cfg, rank, world, mesh):
-    """What is not supported is refused at construction, with the reason."""
+    """What is not supported is refused, with the reason: at construction, and
+    add_param_group after it."""
     errors = {}
     model = shard(Net(), mesh)
 
@@ -334,6 +335,11 @@ def refusals(cfg, rank, world, mesh):
     fully_shard(two.blocks[0], mesh=other_mesh)
     fully_shard(two, mesh=mesh)
     attempt("two_meshes", lambda: ak.AccumulatingOptimizer(make_optimizer(two.parameters()), 4))
+    # After construction: add_param_group (one process only), the groups left as they were.
+    opt = ak.AccumulatingOptimizer(make_optimizer(shard(Net(), mesh).parameters()), 4)
+    groups = len(opt.param_groups)
+    attempt("add_param_group", lambda: opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]}))
+    errors["groups_kept"] = len(opt.param_groups) == groups
     return errors
 
 

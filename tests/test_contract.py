@@ -314,8 +314,13 @@ def test_messages_name_what_to_do():
             memory_budget=100,
             optimizer=torch.optim.AdamW(model.parameters()),
         )
-    with pytest.raises(RuntimeError, match="pass every param group when building AdamW"):
-        ak.AdamW(nn.Linear(2, 2).parameters()).add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
+    layer = nn.Linear(2, 2)
+    opt = ak.AdamW(layer.parameters())
+    layer(torch.ones(1, 2)).sum().backward()
+    with pytest.raises(
+        RuntimeError, match=r"add_param_group mid-window.*do it after the step\(\) that ends the window"
+    ):
+        opt.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
     with pytest.raises(ValueError, match="stochastic_rounding=True rounds bf16 params.*torch.float16"):
         ak.AdamW(nn.Linear(2, 2).half().parameters(), stochastic_rounding=True)
 

@@ -242,6 +242,8 @@ def test_misuse_during_the_reduction_is_refused(runs):
         for name in ("state_dict", "accumulated_grad"):
             assert "being reduced across ranks" in errors[name], errors[name]
         assert "max_grad_norm=" in errors["clip_grad_norm_"]
+        assert "add_param_group on AccumulatingOptimizer across ranks" in errors["add_param_group"]
+        assert errors["groups_kept"] is True
         assert "cross-rank reduction has already started" in errors["second_backward"]
         assert "got 2 gradients since the last step()" in errors["step"]
         assert r["misuse"]["micro_steps"] == worker.N_MICRO - 1  # nothing stepped

@@ -1,7 +1,8 @@
 """AccumulatingOptimizer inside the frameworks people train with, against the
 plain AdamW run through the same framework (tests/framework_runs.py): HF
 Trainer (transformers 5.x, and 4.x where installed beside it), PEFT LoRA,
-Accelerate, Lightning ("32", "bf16-mixed", "16-mixed", manual optimization),
+Accelerate, Lightning ("32", "bf16-mixed", "16-mixed", manual optimization,
+BackboneFinetuning's add_param_group),
 a GradScaler the wrapper was not given, and 2-process runs (DDP on gloo) of
 Accelerate and HF Trainer. Clipping is on and active everywhere. The
 frameworks' checkpoints also carry 8-bit state (codes and scales) across a
@@ -146,6 +147,19 @@ def test_lightning_builds_the_class():
     assert_same_training(result, norms="logged_norms")
     assert rel_diff(result["ours"]["resumed"], result["ours"]["params"]) <= 1e-6
     assert rel_diff(result["plain"]["resumed"], result["plain"]["params"]) <= 1e-6
+
+
+@needs("pytorch_lightning")
+def test_lightning_backbone_finetuning_adds_a_param_group():
+    """BackboneFinetuning unfreezes the backbone at the second epoch and adds it
+    to the optimizer with add_param_group: the run trains as torch.optim's;
+    resumed from Lightning's checkpoint (where the callback assigns the saved
+    groups to optimizer.param_groups) it trains as torch.optim's resumed run."""
+    result = run("lightning_finetuning")
+    assert result["ours"]["groups"] == result["plain"]["groups"] == [[2, 0.01], [4, 0.0015]]
+    assert_same_training(result, norms="logged_norms")
+    assert result["ours"]["resumed_groups"] == result["plain"]["resumed_groups"]
+    assert rel_diff(result["ours"]["resumed"], result["plain"]["resumed"]) <= 1e-5
 
 
 @needs("accelerate")

@@ -134,11 +134,14 @@ class Updater:
                 state_dtype=state_dtype if self.kind != "fallback" else torch.float32,
             )
 
-    def make_masters(self) -> None:
-        """The master weights of the params this rank steps: an fp32 copy, or
-        zero remainders (a bf16 param is an fp32 value with zero low bits)."""
+    def make_masters(self, kept: dict[int, torch.Tensor]) -> None:
+        """The master weights of the params this rank steps: ``kept``'s by
+        param index (those held before the layout was remade), else an fp32
+        copy, or zero remainders (a bf16 param is an fp32 value with zero low bits)."""
         for r in self.layout:
-            if r.precision.master is not None and r.stepped_here:
+            if r.index in kept:
+                r.master = kept[r.index]
+            elif r.precision.master is not None and r.stepped_here:
                 view = r.param_view().detach()
                 r.master = (
                     view.float().clone() if r.precision.master == "fp32" else torch.zeros_like(view, dtype=torch.int16)

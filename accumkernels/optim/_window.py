@@ -90,6 +90,12 @@ class Window:
         else:
             self.zero_grads = self.had_grad | self.touched | self.zero_grads
 
+    def renumber(self, indices: dict[int, int]) -> None:
+        """The params were laid out anew between windows: ``indices`` maps each
+        old index still held to its new one; the params no longer held are forgotten."""
+        self.had_grad = {indices[i] for i in self.had_grad if i in indices}
+        self.zero_grads = {indices[i] for i in self.zero_grads if i in indices}
+
     def window_seed(self) -> int:
         """The stochastic rounding seed of the current window: a new one every
         window, a function of the run's seed."""

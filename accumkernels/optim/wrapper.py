@@ -66,7 +66,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     this rank's shards only. Every rank calls ``step()`` the same number of times.
 
     Args:
-        optimizer: the optimizer to wrap, with all its param groups already added.
+        optimizer: the optimizer to wrap (groups added later go through the
+            wrapper's ``add_param_group``, between windows).
         accum_steps: micro-steps per window (or a ``WindowPlan`` from ``plan_window``);
             ``None``: every ``step()`` call ends a window (frameworks, which count the
             window and scale the loss themselves). ``1`` on one process (intake
@@ -148,7 +149,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             sharded=sharded,
             wire_dtype=wire_dtype,
         )
-        accum_steps, intake, params, mesh = o.accum_steps, o.intake, o.params, o.mesh
+        accum_steps, intake, mesh = o.accum_steps, o.intake, o.mesh
         # What a copy (copy.deepcopy, pickle) is rebuilt from: see __getstate__.
         self._arguments = dict(
             accum_steps=accum_steps,
@@ -187,20 +188,31 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self.device = o.device
         self.process_group, self.world_size, self.rank = o.process_group, o.world_size, o.rank
         self.sharded = sharded and self.world_size > 1
-        self._signature = param_signature(optimizer)
-        self._group_sizes = [len(ids) for ids in self._signature]  # (the micro-steps' cheaper check)
-        self._layout = Layout(
-            params,
-            o.groups,
-            self.device,
-            bucket_cap_mb,
-            self.world_size if self.sharded else 1,
-            local=_fsdp.local_tensor if mesh is not None else None,
-            unit_of=_fsdp.unit_of(params) if mesh is not None else None,
-            hold=holds_buffers(intake, accum_steps, self.world_size, fsdp=mesh is not None),
-        )
+        self._fsdp = mesh is not None
         self._window = Window(normalize, self.device, run_seed(seed, self.device, self.process_group, self.world_size))
         self._loss_scale = LossScale(grad_scaler, self.device)
+        self._caller_checked = False  # whether the first step() call looked for a framework calling it
+        self._lay_out(o)
+
+    def _lay_out(self, o, masters: dict[int, torch.Tensor] | None = None) -> None:
+        """Build the parts laid out for the wrapped optimizer's params (``o``:
+        check_options' result for them): the flat buffer and a record per param
+        (``_layout``), the window's cross-rank part (``_sync``), the updater with
+        the master weights (``masters``' by param index where given, else made from
+        the params) and the intake, which takes the params' gradients from here on."""
+        a = self._arguments
+        self._signature = param_signature(self.optimizer)
+        self._group_sizes = [len(ids) for ids in self._signature]  # (the micro-steps' cheaper check)
+        self._layout = Layout(
+            o.params,
+            o.groups,
+            self.device,
+            a["bucket_cap_mb"],
+            self.world_size if self.sharded else 1,
+            local=_fsdp.local_tensor if o.mesh is not None else None,
+            unit_of=_fsdp.unit_of(o.params) if o.mesh is not None else None,
+            hold=holds_buffers(o.intake, o.accum_steps, self.world_size, fsdp=o.mesh is not None),
+        )
         # The window's cross-rank part (accumkernels.optim._sync): none, buckets
         # reduced across data-parallel ranks, or FSDP2's mesh.
         self._sync = make_sync(
@@ -208,39 +220,36 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             self._layout,
             self._window,
             sharded=self.sharded,
-            wire_dtype=wire_dtype,
-            average=INTAKE_CLASSES[intake].exposes_buffers,
+            wire_dtype=a["wire_dtype"],
+            average=INTAKE_CLASSES[o.intake].exposes_buffers,
         )
-        self._caller_checked = False  # whether the first step() call looked for a framework calling it
         # The ops get the wrapper's own tensors, checked when it made them
         # (gradients: as they arrive): a Prepared backend skips their checks.
-        prepared = ops.Prepared(backend)
+        prepared = ops.Prepared(a["backend"])
         self._updater = Updater(
-            optimizer,
+            self.optimizer,
             self._layout,
-            master_weights=master_weights,
-            stochastic_rounding=stochastic_rounding,
-            state_dtype=state_dtype,
+            master_weights=a["master_weights"],
+            stochastic_rounding=a["stochastic_rounding"],
+            state_dtype=a["state_dtype"],
             backend=prepared,
             sync=self._sync,
         )
-        self._updater.make_masters()
+        self._updater.make_masters(masters or {})
         self._intake = make_intake(
-            intake,
+            o.intake,
             self._layout,
             self._window,
             backend=prepared,
-            skip_nonfinite=skip_nonfinite,
+            skip_nonfinite=a["skip_nonfinite"],
             loss_scale=self._loss_scale,
-            accum_steps=accum_steps,
+            accum_steps=o.accum_steps,
             sync=self._sync,
         )
 
     # ---- torch.optim.Optimizer interface -----------------------------------
 
-    param_groups = property(
-        lambda self: self.optimizer.param_groups, lambda self, value: setattr(self.optimizer, "param_groups", value)
-    )
+    param_groups = property(lambda self: self.optimizer.param_groups, lambda self, value: self._set_param_groups(value))
     state = property(lambda self: self.optimizer.state, lambda self, value: setattr(self.optimizer, "state", value))
 
     @staticmethod
@@ -287,13 +296,82 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if type(self) is AccumulatingOptimizer:
-            what = "add every param group to the optimizer before wrapping it"
-        else:
-            what = f"pass every param group when building {type(self).__name__} (params=[{{...}}, {{...}}])"
-        raise RuntimeError(
-            f"{type(self).__name__} holds fp32 buffers laid out for the params it was built with: {what}"
+        """As torch.optim's (fine-tuning that trains more layers as it goes):
+        the group joins the wrapped optimizer, with its defaults filled in, and
+        the buffers are laid out anew (``_lay_out_anew``). The new params come
+        after those held, whose stochastic-rounding streams stay theirs: training
+        goes on bit for bit as if the group had been there from the start with
+        no gradient. Between windows, on one process."""
+        optimizer = self.optimizer
+        self._lay_out_anew(
+            "add_param_group", lambda: optimizer.add_param_group(param_group), lambda: optimizer.param_groups.pop()
         )
+
+    def _set_param_groups(self, groups: list[dict[str, Any]]) -> None:
+        """``param_groups`` is an attribute torch.optim lets one assign
+        (Lightning's BaseFinetuning restores its groups so when resuming): groups
+        over the params held are set as they are, groups over other params lay
+        the buffers out anew, as add_param_group does."""
+        optimizer, before = self.optimizer, self.optimizer.param_groups
+        if tuple(tuple(id(p) for p in g["params"]) for g in groups) == self._signature:
+            optimizer.param_groups = groups
+            return
+        self._lay_out_anew(
+            "assigning param_groups over other params",
+            lambda: setattr(optimizer, "param_groups", groups),
+            lambda: setattr(optimizer, "param_groups", before),
+        )
+
+    def _lay_out_anew(self, what: str, change, undo) -> None:
+        """``change()`` edits the wrapped optimizer's groups (``undo()`` reverts it)
+        and the buffers, records, updater and intake are made anew for its params.
+        The params held before keep their state (the optimizer's), their master
+        weights and their window flags (a zero .grad kept by
+        ``zero_grad(set_to_none=False)``). Between windows only (the window's sums
+        are laid out for the params held) and on one process (buckets and state
+        are laid out alike on every rank): refused, and the groups checked as at
+        construction, before anything is changed."""
+        if self.world_size > 1 or self._fsdp:
+            raise RuntimeError(
+                f"{what} on {type(self).__name__} across ranks (or on FSDP2 params) is not supported: its buckets "
+                "and state are laid out alike on every rank; pass every param group when building it (frozen "
+                "params included: they are skipped while they get no gradient)"
+            )
+        self._refuse_during_reduction(what)
+        self._intake.flush()
+        window = self._window
+        if window.micro_steps or window.touched:
+            raise RuntimeError(
+                f"{what} mid-window: this window's sums ({window.micro_steps} micro-steps, {len(window.touched)} "
+                "params with a gradient) are laid out for the params held now; do it after the step() that ends "
+                "the window (opt.window_stepped), before the next backward"
+            )
+        change()
+        try:
+            options = self._checked_options()
+        except Exception:
+            undo()
+            raise
+        before = {id(r.param): r for r in self._layout}
+        after = {id(p): i for i, p in enumerate(options.params)}
+        renumbered = {r.index: after[key] for key, r in before.items() if key in after}
+        masters = {r.index: r.master for r in before.values() if r.master is not None}
+        self._intake.close()  # its hooks, and .grad given back
+        self._layout.release()  # (before the new buffer is made: one flat buffer at a time)
+        try:
+            self._lay_out(options, {renumbered[i]: m for i, m in masters.items() if i in renumbered})
+        except Exception:  # e.g. out of memory for a larger buffer: the wrapper as it was
+            undo()
+            self._lay_out(self._checked_options(), masters)
+            raise
+        window.renumber(renumbered)
+
+    def _checked_options(self):
+        """check_options for the wrapped optimizer as it is now, with the wrapper's arguments."""
+        a = self._arguments
+        keys = ("normalize", "max_grad_norm", "master_weights", "stochastic_rounding", "state_dtype", "seed")
+        keys += ("intake", "bucket_cap_mb", "process_group", "sharded", "wire_dtype")
+        return check_options(self.optimizer, a["accum_steps"], **{k: a[k] for k in keys})
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Intake "hooks": harmless (gradients are folded as they arrive, the
@@ -509,8 +587,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
 
     def _check_param_groups(self, every_param: bool) -> None:
         """The wrapped optimizer's param groups are those it was wrapped with:
-        at every step() their count and lists (add_param_group, a group's list
-        replaced or grown), before a window's step every param, and that no
+        at every step() their count and lists (add_param_group on the wrapped
+        optimizer, a group's list replaced or grown), before a window's step every param, and that no
         group of 8-bit state has had amsgrad switched on."""
         groups = self.optimizer.param_groups
         if every_param:
@@ -519,8 +597,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             changed = [len(g["params"]) for g in groups] != self._group_sizes
         if changed:
             raise RuntimeError(
-                "the wrapped optimizer's params changed after wrapping (a param group was added or "
-                "edited); add every param group before wrapping it"
+                "the wrapped optimizer's params changed after wrapping (a group's list edited in place, or a "
+                "group added to the optimizer it wraps): change the groups through the wrapper, between windows "
+                "(its add_param_group, or assign its param_groups)"
             )
         if every_param and self._arguments["state_dtype"] == "8bit":
             check_8bit_state(self.optimizer.param_groups)
