@@ -638,6 +638,7 @@ def _unfreezing_run(cls, dtype, late: bool, **options):
     [
         (torch.float32, {}),
         (torch.float32, {"state_dtype": "8bit"}),
+        (torch.float32, {"max_grad_norm": 0.05}),
         (torch.bfloat16, {}),
         (torch.bfloat16, {"master_weights": True}),
         (torch.bfloat16, {"master_weights": "remainders"}),
