@@ -606,6 +606,65 @@ def test_rejects_a_param_in_two_groups():
         ak.AccumulatingOptimizer(inner)
 
 
+def _written_in_place_run(cls, when: str):
+    """mlp whose last layer gets no gradient from backward (it is not in the
+    forward) but one written by hand into ``.grad``, torch.optim's way (made
+    if None, then added into or copied in place), ``when``: before the
+    backward, after it, or in windows without any backward."""
+    model, (x, y) = mlp(), data(16)
+    opt = cls(model.parameters(), lr=1e-2, weight_decay=0.1, eps=ADAM_EPS)
+    g = torch.Generator().manual_seed(5)
+
+    def write():
+        for i, p in enumerate(model[3].parameters()):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            given = torch.randn(p.shape, generator=g)
+            p.grad.add_(given) if i == 0 else p.grad.copy_(given)
+
+    for w in range(6):
+        if when == "before":
+            write()
+        if when != "alone" or w % 2:
+            F.mse_loss(model[:3](x[w::6])[:, :3], y[w::6]).backward()
+        if when in ("after", "alone"):
+            write()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("when", ["before", "after", "alone"])
+def test_gradients_written_into_grad_in_place_are_stepped_as_torchs(when):
+    """A .grad written in place (``p.grad.add_``, ``p.grad.copy_``) on a param
+    no backward gave a gradient is stepped, as torch.optim steps it (intake
+    "grad", where .grad is never None: such writes were dropped before). Bound:
+    PARITY (the fused step's rounding)."""
+    ours = _written_in_place_run(ak.AdamW, when)
+    plain = _written_in_place_run(torch.optim.AdamW, when)
+    for a, b in zip(ours, plain):
+        assert (a - b).abs().max() <= PARITY * b.abs().max()
+    assert not torch.equal(ours[-1], mlp()[3].bias.detach()), "the written layer must train"
+
+
+def test_autograd_bumps_the_version_of_grad_once_per_gradient():
+    """What intake "grad" counts on to see writes into .grad that are not
+    autograd's (_take_written): each gradient autograd adds into a .grad that
+    is a view of a flat buffer bumps the flat buffer's version exactly once,
+    for an fp32 param and a bf16 param whose grad_dtype is fp32."""
+    for dtype in (torch.float32, torch.bfloat16):
+        p = nn.Parameter(torch.ones(3, dtype=dtype))
+        flat = torch.zeros(8)
+        if dtype != torch.float32:
+            p.grad_dtype = torch.float32
+        p.grad = flat[2:5]
+        before = flat._version
+        for n in range(1, 4):
+            (p * 2).sum().backward()
+            assert flat._version == before + n
+        assert torch.equal(flat[2:5], torch.full((3,), 6.0))
+
+
 def _unfreezing_run(cls, dtype, late: bool, **options):
     """mlp's first layer starts frozen; at the fifth window it is unfrozen and
     (``late``) added as a param group, or (not ``late``) held from the start.

@@ -829,6 +829,10 @@ class GradIntake(Intake):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._reduction_queued = False
+        # The flat buffer's version counter when the intake last accounted for
+        # every write into it, and whether a write it did not make was seen (see _take_written).
+        self._seen_version = self.layout.flat._version
+        self._unseen_write = False
         self._grad_dtypes = {}
         for r in self.layout:
             if r.param.dtype != torch.float32:
@@ -876,6 +880,10 @@ class GradIntake(Intake):
             self._reattach(r)
         self.window.touched.add(r.index)
         self.window.grads_since_step = True
+        # This gradient bumped the flat buffer's version once (autograd's add, or the copy above).
+        version = self.layout.flat._version
+        self._unseen_write |= version > self._seen_version + 1
+        self._seen_version = version
 
     def _reattach(self, r: ParamRecord) -> None:
         """``r.buffer`` (still ``.grad``) was moved out of the flat buffer: its
@@ -913,6 +921,32 @@ class GradIntake(Intake):
                 _copy_into(r.buffer, grad)
                 self.window.touched.add(r.index)
             self.set_grad(r, r.buffer)
+        self._take_written()
+
+    def _take_written(self) -> None:
+        """A gradient written into ``.grad`` in place, not by autograd
+        (``p.grad.add_(g)``, ``p.grad.copy_(g)``, where torch.optim's user would
+        have made ``.grad`` first), on a param with no gradient yet this
+        window: torch.optim would step it, so it joins the window. The flat
+        buffer's version counter tells whether anything wrote into it since the
+        intake last accounted for every write (each gradient autograd adds bumps
+        it once); only then, and only where such params exist, are their
+        values read (one host sync): a param whose buffer is no longer all
+        zeros has a gradient. (One written in place as exact zeros stays
+        without: torch.optim would step it with a zero gradient.)"""
+        flat = self.layout.flat
+        if flat._version != self._seen_version or self._unseen_write:
+            waiting = [r for r in self.layout if r.index not in self.window.touched and r.param.grad is r.buffer]
+            if waiting:
+                written = torch.stack([r.buffer.ne(0).any() for r in waiting]).tolist()
+                for r in (r for r, w in zip(waiting, written) if w):
+                    self.window.touched.add(r.index)
+                    self.window.grads_since_step = True
+        self._seen_version, self._unseen_write = flat._version, False
+
+    def after_step(self) -> None:
+        """The window's own writes into the buffers (unscaling, zeroing) are accounted for."""
+        self._seen_version, self._unseen_write = self.layout.flat._version, False
 
     def zero_grad(self) -> None:
         """As ``optimizer.zero_grad()`` in plain PyTorch: gradients that no
