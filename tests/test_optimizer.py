@@ -665,6 +665,81 @@ def test_autograd_bumps_the_version_of_grad_once_per_gradient():
         assert torch.equal(flat[2:5], torch.full((3,), 6.0))
 
 
+def _master_weights_run(load=None, windows: int = 6):
+    """bf16 mlp, AdamW with fp32 master weights; ``load(model, opt)`` after
+    window 3 may load weights into the model, or swap in a resumed model and
+    optimizer (returning them)."""
+    model = mlp(dtype=torch.bfloat16)
+    opt = ak.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, master_weights=True)
+    g = torch.Generator().manual_seed(6)
+    for w in range(windows):
+        if w == 3 and load is not None:
+            model, opt = load(model, opt) or (model, opt)
+        x, y = torch.randn(4, 12, generator=g), torch.randn(4, 3, generator=g)
+        F.mse_loss(model(x.bfloat16()).float(), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "no_grad_copy", "detach_copy", "data_assigned"])
+def test_master_weights_follow_weights_loaded_into_the_model(how):
+    """Weights loaded into the model mid-run (here: its initial ones) are
+    where training goes on from, as with torch.optim: the fp32 masters follow
+    the params (they would otherwise overwrite them at the next step). The
+    reference is the public way to the same: a plain torch checkpoint of the
+    optimizer loaded beside the new weights (its masters made from them)."""
+    start = mlp(dtype=torch.bfloat16).state_dict()
+
+    def write(model, opt):
+        if how == "load_state_dict":
+            model.load_state_dict(start)
+        for p, w in zip(model.parameters(), start.values()):
+            if how == "no_grad_copy":
+                with torch.no_grad():
+                    p.copy_(w)
+            elif how == "detach_copy":
+                p.detach().copy_(w)
+            elif how == "data_assigned":
+                p.data = w.clone()
+
+    def rebuild(model, opt):
+        plain = opt.state_dict()
+        plain.pop("accumkernels")
+        fresh = mlp(dtype=torch.bfloat16)
+        fresh_opt = ak.AdamW(fresh.parameters(), lr=1e-2, weight_decay=0.1, master_weights=True)
+        fresh_opt.load_state_dict(plain)
+        return fresh, fresh_opt
+
+    followed, _ = _master_weights_run(write)
+    reference, _ = _master_weights_run(rebuild)
+    assert all(torch.equal(a, b) for a, b in zip(followed.parameters(), reference.parameters()))
+    untouched, _ = _master_weights_run()
+    assert not torch.equal(followed[0].weight, untouched[0].weight)
+
+
+@pytest.mark.parametrize("model_first", [True, False])
+def test_master_weights_of_a_checkpoint_stay_whichever_is_loaded_first(model_first):
+    """Resuming loads the model's weights and the optimizer's checkpoint (its
+    fp32 masters) in either order: the masters round to the loaded params, so
+    they are kept, and the resumed run is the straight one bit for bit."""
+    straight, _ = _master_weights_run()
+
+    def resume(model, opt):
+        saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+        fresh = mlp(dtype=torch.bfloat16)
+        fresh_opt = ak.AdamW(fresh.parameters(), lr=1e-2, weight_decay=0.1, master_weights=True)
+        if model_first:
+            fresh.load_state_dict(saved_model)
+        fresh_opt.load_state_dict(saved_opt)
+        if not model_first:
+            fresh.load_state_dict(saved_model)
+        return fresh, fresh_opt
+
+    resumed, _ = _master_weights_run(resume)
+    assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), straight.parameters()))
+
+
 def _unfreezing_run(cls, dtype, late: bool, **options):
     """mlp's first layer starts frozen; at the fifth window it is unfrozen and
     (``late``) added as a param group, or (not ``late``) held from the start.

@@ -126,6 +126,9 @@ class Updater:
         self.kind = optimizer_kind(optimizer)
         self.layout = layout
         self.backend = backend
+        # Param index -> (version counter, storage) of its stepped elements when
+        # the window last wrote them (fp32 master weights only: follow_params).
+        self._written: dict[int, tuple[int, int]] = {}
         for r in layout:
             r.precision = precision_of(
                 r.param.dtype,
@@ -146,6 +149,35 @@ class Updater:
                 r.master = (
                     view.float().clone() if r.precision.master == "fp32" else torch.zeros_like(view, dtype=torch.int16)
                 )
+
+    def follow_params(self, records: list[ParamRecord]) -> None:
+        """fp32 master weights follow a param written by anything but the step
+        since the step last wrote it (``model.load_state_dict``, an in-place
+        ``copy_`` under no_grad, ``.data`` replaced): torch.optim steps from the
+        param as it is, so where the param is no longer what its master rounds
+        to, the master becomes the param's value. Only params whose version
+        counter or storage moved are compared (one host sync for all). (A
+        ``p.data.copy_`` bumps no counter and is not seen.) Remainders need no
+        following: the param holds the master's high bits itself."""
+        moved = []
+        for r in records:
+            if r.master is not None and r.master.dtype == torch.float32 and r.stepped_here:
+                local = r.local
+                if self._written.get(r.index) != (local._version, local.data_ptr()):
+                    moved.append(r)
+        if not moved:
+            return
+        views = [r.param_view() for r in moved]
+        differ = torch.stack([(r.master.to(v.dtype) != v).any() for r, v in zip(moved, views)]).tolist()
+        for r, view, d in zip(moved, views, differ):
+            if d:
+                r.master.copy_(view)
+
+    def note_params(self, records: list[ParamRecord]) -> None:
+        """The window wrote ``records``' params (stepped, and gathered across ranks)."""
+        for r in records:
+            if r.master is not None and r.master.dtype == torch.float32 and r.stepped_here:
+                self._written[r.index] = (r.local._version, r.local.data_ptr())
 
     def init_state(self) -> None:
         """Create the state of every param this rank steps (zeros, step 0), as a
@@ -186,6 +218,7 @@ class Updater:
         The intake says whether the buffers must be cleared and sets ``.grad``
         for the fallback."""
         zero_buffers = intake.zero_buffers_at_step
+        self.follow_params(records)
         if self.kind == "fallback":
             self._fallback(records, grad_scale, found_inf, intake)
             return

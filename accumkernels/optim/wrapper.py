@@ -638,5 +638,6 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self.optimizer._opt_called = True
         self._intake.after_step()
         self._sync.after_step()
+        self._updater.note_params(records)
         window.windows += 1
         window.clear()
