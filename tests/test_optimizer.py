@@ -740,6 +740,42 @@ def test_master_weights_of_a_checkpoint_stay_whichever_is_loaded_first(model_fir
     assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), straight.parameters()))
 
 
+def test_bf16_params_holding_a_gradient_when_built_or_added():
+    """A gradient a bf16 param holds before the optimizer takes it (a backward
+    before it is built; backwards while it trained outside the optimizer,
+    before add_param_group) counts, as torch.optim's: .grad becomes the fp32
+    buffer holding it (torch refuses the fp32 grad_dtype while a bf16 .grad is
+    held, which failed here) and the step equals the one given that gradient
+    as an fp32 .grad."""
+    x = torch.randn(4, 12)
+
+    def run(assign: bool, late: bool):
+        model = mlp(dtype=torch.bfloat16)
+        head, first = list(model[3].parameters()), list(model[0].parameters())
+        opt = ak.AdamW(head, lr=1e-2, seed=0) if late else None
+        model(x.bfloat16()).float().sum().backward()
+        if late:
+            opt.step()  # the head's window; the first layer's bf16 .grad stays
+            opt.zero_grad()
+        held = [p.grad.float() for p in first]
+        if assign:
+            for p in first:
+                p.grad = None
+        if late:
+            opt.add_param_group({"params": first})
+        else:
+            opt = ak.AdamW([*head, *first], lr=1e-2, seed=0)
+        if assign:
+            for p, g in zip(first, held):
+                p.grad = g
+        assert all(p.grad.dtype == torch.float32 and torch.equal(p.grad, g) for p, g in zip(first, held))
+        opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for late in (False, True):
+        assert all(torch.equal(a, b) for a, b in zip(run(False, late), run(True, late))), late
+
+
 def _unfreezing_run(cls, dtype, late: bool, **options):
     """mlp's first layer starts frozen; at the fifth window it is unfrozen and
     (``late``) added as a param group, or (not ``late``) held from the start.

@@ -829,26 +829,29 @@ class GradIntake(Intake):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._reduction_queued = False
+        self._grad_dtypes = {}
+        low = [r for r in self.layout if r.param.dtype != torch.float32]
+        if low and not hasattr(low[0].param, "grad_dtype"):
+            raise RuntimeError(
+                f"intake='grad' needs torch >= 2.13 for {low[0].param.dtype} params (param.grad_dtype lets them "
+                f"hold an fp32 .grad); this is torch {torch.__version__}: use intake='hooks'"
+            )
+        for r in self.layout:
+            grad = r.param.grad  # a gradient from before wrapping counts, unless zero_grad() drops it
+            if r.param.dtype != torch.float32:
+                self._grad_dtypes[r.index] = r.param.grad_dtype
+                r.param.grad = None  # (torch refuses a grad_dtype other than the dtype of the .grad held)
+                r.param.grad_dtype = torch.float32
+            if grad is not None:
+                _copy_into(r.buffer, grad)
+                self.window.touched.add(r.index)
+                self.window.grads_since_step = True
+            if r.param.requires_grad or grad is not None:
+                r.param.grad = r.buffer
         # The flat buffer's version counter when the intake last accounted for
         # every write into it, and whether a write it did not make was seen (see _take_written).
         self._seen_version = self.layout.flat._version
         self._unseen_write = False
-        self._grad_dtypes = {}
-        for r in self.layout:
-            if r.param.dtype != torch.float32:
-                if not hasattr(r.param, "grad_dtype"):
-                    raise RuntimeError(
-                        f"intake='grad' needs torch >= 2.13 for {r.param.dtype} params (param.grad_dtype lets them "
-                        f"hold an fp32 .grad); this is torch {torch.__version__}: use intake='hooks'"
-                    )
-                self._grad_dtypes[r.index] = r.param.grad_dtype
-                r.param.grad_dtype = torch.float32
-            if r.param.grad is not None:  # a gradient from before wrapping counts, unless zero_grad() drops it
-                _copy_into(r.buffer, r.param.grad)
-                self.window.touched.add(r.index)
-                self.window.grads_since_step = True
-            if r.param.requires_grad:
-                r.param.grad = r.buffer
 
     def _window_ends_with_this_backward(self) -> bool:
         if self.accum_steps is not None:
