@@ -337,7 +337,6 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 "and state are laid out alike on every rank; pass every param group when building it (frozen "
                 "params included: they are skipped while they get no gradient)"
             )
-        self._refuse_during_reduction(what)
         self._intake.flush()
         window = self._window
         if window.micro_steps or window.touched:
