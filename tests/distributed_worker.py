@@ -320,22 +320,48 @@ def modes_agree(cfg, rank, world):
     return out
 
 
+def add_group(cfg, rank, world):
+    """add_param_group by every rank after the first window (all-reduce mode):
+    bit for bit the run that held the group from the start, its layer frozen
+    until then (only odd ranks give it gradients: the ranks' union steps it);
+    and refused with sharded=True, the groups left as they were."""
+    out = {}
+    for late in (False, True):
+        model = Net()
+        model.side.requires_grad_(False)
+        side, body = list(model.side.parameters()), list(model.body.parameters())
+        groups = [{"params": body}] + ([] if late else [{"params": side, "lr": 3e-3}])
+        opt = ak.AccumulatingOptimizer(
+            make_optimizer(cfg["optimizer"], groups), N_MICRO, bucket_cap_mb=BUCKET_MB, backend=cfg["backend"]
+        )
+        for w in range(WINDOWS):
+            if w == 1:
+                model.side.requires_grad_(True)
+                if late:
+                    opt.add_param_group({"params": side, "lr": 3e-3})
+            for m in range(N_MICRO):
+                micro_step(cfg, model, opt, w, m, rank)
+        out["late" if late else "built"] = params_of(model)
+        opt.close()
+    model = Net()
+    opt = wrapped(dict(cfg, sharded=True), model)
+    try:
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+        out["sharded_error"] = None
+    except RuntimeError as e:
+        out["sharded_error"] = str(e)
+    out["sharded_groups"] = len(opt.param_groups)
+    return out
+
+
 def misuse(cfg, rank, world):
     """What the wrapper refuses in the window's last micro-step, after its
     backward has launched the reductions: reading the buffers, a second backward
     (and the step() after it, which sees two gradients for a param); and
-    clip_grad_norm_() in distributed runs at all; and add_param_group at a
-    window boundary (one process only), which leaves the groups as they were."""
+    clip_grad_norm_() in distributed runs at all."""
     model = Net()
     opt = wrapped(cfg, model)
     errors = {}
-    groups = len(opt.param_groups)
-    try:
-        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
-        errors["add_param_group"] = None
-    except RuntimeError as e:
-        errors["add_param_group"] = str(e)
-    errors["groups_kept"] = len(opt.param_groups) == groups
     for m in range(N_MICRO - 1):
         micro_step(cfg, model, opt, 0, m, rank)
     x, y = micro_batch(cfg["seed"], 0, rank, N_MICRO - 1, False)
@@ -388,6 +414,7 @@ SCENARIOS = {
     "ddp_taken_over": ddp_taken_over,
     "framework_loop": framework_loop,
     "misuse": misuse,
+    "add_group": add_group,
     "modes_agree": modes_agree,
 }
 

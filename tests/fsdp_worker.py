@@ -335,7 +335,7 @@ def refusals(cfg, rank, world, mesh):
     fully_shard(two.blocks[0], mesh=other_mesh)
     fully_shard(two, mesh=mesh)
     attempt("two_meshes", lambda: ak.AccumulatingOptimizer(make_optimizer(two.parameters()), 4))
-    # After construction: add_param_group (one process only), the groups left as they were.
+    # After construction: add_param_group (not on FSDP2 params), the groups left as they were.
     opt = ak.AccumulatingOptimizer(make_optimizer(shard(Net(), mesh).parameters()), 4)
     groups = len(opt.param_groups)
     attempt("add_param_group", lambda: opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]}))

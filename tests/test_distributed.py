@@ -63,6 +63,7 @@ CASES_2 = {
     "ddp": dict(scenario="ddp_taken_over", optimizer="adamw"),
     "framework-loop": dict(scenario="framework_loop", optimizer="adamw", clip=0.05),
     "misuse": dict(scenario="misuse", optimizer="sgd"),
+    "add-group": dict(scenario="add_group", optimizer="adamw"),
     "modes-agree": dict(scenario="modes_agree", optimizer="adamw"),
 }
 CASES_4 = PARITY
@@ -242,11 +243,19 @@ def test_misuse_during_the_reduction_is_refused(runs):
         for name in ("state_dict", "accumulated_grad"):
             assert "being reduced across ranks" in errors[name], errors[name]
         assert "max_grad_norm=" in errors["clip_grad_norm_"]
-        assert "add_param_group on AccumulatingOptimizer across ranks" in errors["add_param_group"]
-        assert errors["groups_kept"] is True
         assert "cross-rank reduction has already started" in errors["second_backward"]
         assert "got 2 gradients since the last step()" in errors["step"]
         assert r["misuse"]["micro_steps"] == worker.N_MICRO - 1  # nothing stepped
+
+
+def test_add_param_group_across_ranks(runs):
+    """Every rank adds the group after the first window: bit for bit the run
+    that held it from the start; with sharded=True it is refused, nothing changed."""
+    for r in runs[2]:
+        result = r["add-group"]
+        assert same(result["late"], result["built"])
+        assert "sharded=True (ZeRO-1)" in result["sharded_error"] and result["sharded_groups"] == 1
+    assert not same(runs[2][0]["add-group"]["late"][:2], [p.detach() for p in worker.Net().side.parameters()])
 
 
 def test_distributed_options_need_a_process_group():

@@ -301,7 +301,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         the buffers are laid out anew (``_lay_out_anew``). The new params come
         after those held, whose stochastic-rounding streams stay theirs: training
         goes on bit for bit as if the group had been there from the start with
-        no gradient. Between windows, on one process."""
+        no gradient. Between windows; across ranks, by every rank at the same
+        window boundary (all-reduce mode)."""
         optimizer = self.optimizer
         self._lay_out_anew(
             "add_param_group", lambda: optimizer.add_param_group(param_group), lambda: optimizer.param_groups.pop()
@@ -328,14 +329,16 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         The params held before keep their state (the optimizer's), their master
         weights and their window flags (a zero .grad kept by
         ``zero_grad(set_to_none=False)``). Between windows only (the window's sums
-        are laid out for the params held) and on one process (buckets and state
-        are laid out alike on every rank): refused, and the groups checked as at
-        construction, before anything is changed."""
-        if self.world_size > 1 or self._fsdp:
+        are laid out for the params held); across ranks every rank does it at the
+        same window boundary (the new buckets are checked alike on every rank, as
+        at construction), in all-reduce mode (not with sharded=True or FSDP2,
+        whose state lies in shards of the layout). Refused, and the groups checked
+        as at construction, before anything is changed."""
+        if self.sharded or self._fsdp:
             raise RuntimeError(
-                f"{what} on {type(self).__name__} across ranks (or on FSDP2 params) is not supported: its buckets "
-                "and state are laid out alike on every rank; pass every param group when building it (frozen "
-                "params included: they are skipped while they get no gradient)"
+                f"{what} on {type(self).__name__} with sharded=True (ZeRO-1) or on FSDP2 params is not supported: "
+                "each rank's state is laid out in its shards of the buckets; pass every param group when building "
+                "it (frozen params included: they are skipped while they get no gradient)"
             )
         self._intake.flush()
         window = self._window
