@@ -610,7 +610,8 @@ def _written_in_place_run(cls, when: str):
     """mlp whose last layer gets no gradient from backward (it is not in the
     forward) but one written by hand into ``.grad``, torch.optim's way (made
     if None, then added into or copied in place), ``when``: before the
-    backward, after it, or in windows without any backward."""
+    backward, after it, in windows without any backward, or before the
+    backward and, every other window, dropped by a zero_grad() after it."""
     model, (x, y) = mlp(), data(16)
     opt = cls(model.parameters(), lr=1e-2, weight_decay=0.1, eps=ADAM_EPS)
     g = torch.Generator().manual_seed(5)
@@ -623,8 +624,12 @@ def _written_in_place_run(cls, when: str):
             p.grad.add_(given) if i == 0 else p.grad.copy_(given)
 
     for w in range(6):
-        if when == "before":
+        if when != "after" and when != "alone":
             write()
+        if when == "dropped-by-optimizer" and w % 2:
+            opt.zero_grad()
+        if when == "dropped-by-model" and w % 2:
+            model.zero_grad()
         if when != "alone" or w % 2:
             F.mse_loss(model[:3](x[w::6])[:, :3], y[w::6]).backward()
         if when in ("after", "alone"):
@@ -634,12 +639,13 @@ def _written_in_place_run(cls, when: str):
     return [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("when", ["before", "after", "alone"])
+@pytest.mark.parametrize("when", ["before", "after", "alone", "dropped-by-optimizer", "dropped-by-model"])
 def test_gradients_written_into_grad_in_place_are_stepped_as_torchs(when):
     """A .grad written in place (``p.grad.add_``, ``p.grad.copy_``) on a param
     no backward gave a gradient is stepped, as torch.optim steps it (intake
-    "grad", where .grad is never None: such writes were dropped before). Bound:
-    PARITY (the fused step's rounding)."""
+    "grad", where .grad is never None: such writes were dropped before), and
+    discarded by a zero_grad() of the optimizer or the model before the step,
+    as torch's (every other window). Bound: PARITY (the fused step's rounding)."""
     ours = _written_in_place_run(ak.AdamW, when)
     plain = _written_in_place_run(torch.optim.AdamW, when)
     for a, b in zip(ours, plain):

@@ -907,7 +907,9 @@ class GradIntake(Intake):
         """At step(): ``.grad`` dropped or replaced since backward is handled by flush()."""
 
     def flush(self) -> None:
-        """Re-attach every view whose ``.grad`` was dropped or replaced since."""
+        """Take what was written into the buffers in place (_take_written), then
+        re-attach every view whose ``.grad`` was dropped or replaced since."""
+        self._take_written()
         for r in self.layout:
             grad = r.param.grad
             if grad is r.buffer and not self.layout.aliased(r):
@@ -924,25 +926,34 @@ class GradIntake(Intake):
                 _copy_into(r.buffer, grad)
                 self.window.touched.add(r.index)
             self.set_grad(r, r.buffer)
-        self._take_written()
+        self._seen_version = self.layout.flat._version  # (the writes above are the intake's own)
 
     def _take_written(self) -> None:
         """A gradient written into ``.grad`` in place, not by autograd
         (``p.grad.add_(g)``, ``p.grad.copy_(g)``, where torch.optim's user would
-        have made ``.grad`` first), on a param with no gradient yet this
-        window: torch.optim would step it, so it joins the window. The flat
-        buffer's version counter tells whether anything wrote into it since the
-        intake last accounted for every write (each gradient autograd adds bumps
-        it once); only then, and only where such params exist, are their
-        values read (one host sync): a param whose buffer is no longer all
-        zeros has a gradient. (One written in place as exact zeros stays
-        without: torch.optim would step it with a zero gradient.)"""
+        have made ``.grad`` first), on a param with no gradient yet this window:
+        torch.optim would step it, so it joins the window; where that ``.grad``
+        was dropped since (``model.zero_grad()``), it is discarded, as in torch.
+        The flat buffer's version counter tells whether anything wrote into it
+        since the intake last accounted for every write (each gradient autograd
+        adds bumps it once); only then, and only for the params without a
+        gradient yet, are the values read (one host sync): a buffer no longer
+        all zeros was written. (A param written in place with exact zeros stays
+        without a gradient: torch.optim would step it with a zero gradient.)"""
         flat = self.layout.flat
-        if flat._version != self._seen_version or self._unseen_write:
-            waiting = [r for r in self.layout if r.index not in self.window.touched and r.param.grad is r.buffer]
-            if waiting:
-                written = torch.stack([r.buffer.ne(0).any() for r in waiting]).tolist()
-                for r in (r for r, w in zip(waiting, written) if w):
+        if flat._version == self._seen_version and not self._unseen_write:
+            return
+        waiting = [
+            r
+            for r in self.layout
+            if r.index not in self.window.touched and (r.param.grad is r.buffer or r.param.grad is None)
+        ]
+        if waiting:
+            written = torch.stack([r.buffer.ne(0).any() for r in waiting]).tolist()
+            for r in (r for r, w in zip(waiting, written) if w):
+                if r.param.grad is None:
+                    r.buffer.zero_()
+                else:
                     self.window.touched.add(r.index)
                     self.window.grads_since_step = True
         self._seen_version, self._unseen_write = flat._version, False
@@ -954,10 +965,13 @@ class GradIntake(Intake):
     def zero_grad(self) -> None:
         """As ``optimizer.zero_grad()`` in plain PyTorch: gradients that no
         ``step()`` took yet (e.g. of a window a GradScaler skipped) are
-        discarded; right after a step there is nothing to discard."""
+        discarded (those written into ``.grad`` in place too); right after a
+        step there is nothing to discard."""
+        self._take_written()
         if self.window.grads_since_step:
             self.layout.zero_views(self.layout.records[i] for i in self.window.touched)
             self.window.clear()
+            self._seen_version = self.layout.flat._version
         self.flush()
 
     def set_grad(self, r: ParamRecord, grad: torch.Tensor | None) -> None:
