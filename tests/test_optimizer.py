@@ -935,6 +935,39 @@ def test_param_groups_assigned_over_other_params_lay_the_buffers_out_anew(intake
     opt.step()
 
 
+@pytest.mark.parametrize("intake", ["grad", "hooks"])
+def test_add_param_group_failing_half_way_leaves_the_optimizer_as_it_was(intake, monkeypatch):
+    """A failure once the old layout is given up (here: the new intake, after it
+    has claimed the params and hooked them) restores the wrapper over its
+    groups as they were: the error is the failure's, and training goes on as
+    the twin's that never tried."""
+    from accumkernels.optim import _intake
+
+    model, (x, y) = mlp(), data(8)
+    opt = ak.AdamW(model[0].parameters(), lr=1e-2, eps=ADAM_EPS, intake=intake)
+    twin = copy.deepcopy((model, opt))
+    cls = _intake.INTAKE_CLASSES[intake]
+    built = cls.__init__
+
+    def fails_once(self, *args, **kwargs):
+        built(self, *args, **kwargs)
+        monkeypatch.setattr(cls, "__init__", built)
+        raise MemoryError("the new intake failed")
+
+    monkeypatch.setattr(cls, "__init__", fails_once)
+    with pytest.raises(MemoryError, match="the new intake failed") as failure:  # (kept: its frames hold the intake)
+        opt.add_param_group({"params": list(model[3].parameters())})
+    assert len(opt.param_groups) == 1
+    for m, o in ((model, opt), twin):
+        for _ in range(2):
+            F.mse_loss(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin[0].parameters()))
+    assert torch.equal(model[3].weight.grad, twin[0][3].weight.grad), "the layer left out keeps plain .grad"
+    assert failure.value is not None
+
+
 def test_params_added_to_the_wrapped_optimizer_are_refused_at_step():
     model = mlp()
     extra = nn.Parameter(torch.randn(3))

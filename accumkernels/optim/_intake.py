@@ -180,10 +180,10 @@ class Intake:
         # the first gradient, before a DDP module's reducer could act on it.
         self._watch_late_init = not (dist.is_available() and dist.is_initialized())
         self.arrivals: dict[int, int] = {}  # param index -> gradients received since the last step()
-        self._claim()
-        self._scaler_checks = _amp.marker_checks()  # a GradScaler's inf checks of the markers seen so far
         self._handles: dict[int, torch.utils.hooks.RemovableHandle] = {}
         self._markers: dict[int, tuple[torch.Tensor, FoldedGrad]] = {}  # param index -> (param, its .grad marker)
+        self._claim()
+        self._scaler_checks = _amp.marker_checks()  # a GradScaler's inf checks of the markers seen so far
         self._ref = weakref.ref(self)
         weakref.finalize(self, _remove, self._handles, self._markers)
         self._hook_trainable()
@@ -827,9 +827,9 @@ class GradIntake(Intake):
     zero_buffers_at_step = True
 
     def __init__(self, *args, **kwargs) -> None:
+        self._grad_dtypes = {}  # (before anything close() gives back)
         super().__init__(*args, **kwargs)
         self._reduction_queued = False
-        self._grad_dtypes = {}
         low = [r for r in self.layout if r.param.dtype != torch.float32]
         if low and not hasattr(low[0].param, "grad_dtype"):
             raise RuntimeError(
@@ -1040,4 +1040,13 @@ def holds_buffers(intake: str, accum_steps: int | None, world_size: int, fsdp: b
 
 
 def make_intake(name: str, *args, **kwargs) -> Intake:
-    return INTAKE_CLASSES[name](*args, **kwargs)
+    """The intake ``name``. One that fails half-built gives back what it took
+    (hooks, claims, ``.grad``) before its error goes on."""
+    cls = INTAKE_CLASSES[name]
+    intake = cls.__new__(cls)
+    try:
+        intake.__init__(*args, **kwargs)
+    except BaseException:
+        intake.close()
+        raise
+    return intake
