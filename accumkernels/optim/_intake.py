@@ -850,8 +850,7 @@ class GradIntake(Intake):
                 r.param.grad = r.buffer
         # The flat buffer's version counter when the intake last accounted for
         # every write into it, and whether a write it did not make was seen (see _take_written).
-        self._seen_version = self.layout.flat._version
-        self._unseen_write = False
+        self._account_writes()
 
     def _window_ends_with_this_backward(self) -> bool:
         if self.accum_steps is not None:
@@ -926,7 +925,7 @@ class GradIntake(Intake):
                 _copy_into(r.buffer, grad)
                 self.window.touched.add(r.index)
             self.set_grad(r, r.buffer)
-        self._seen_version = self.layout.flat._version  # (the writes above are the intake's own)
+        self._account_writes()  # (the writes above are the intake's own)
 
     def _take_written(self) -> None:
         """A gradient written into ``.grad`` in place, not by autograd
@@ -956,11 +955,15 @@ class GradIntake(Intake):
                 else:
                     self.window.touched.add(r.index)
                     self.window.grads_since_step = True
-        self._seen_version, self._unseen_write = flat._version, False
+        self._account_writes()
+
+    def _account_writes(self) -> None:
+        """Every write into the flat buffer so far is accounted for."""
+        self._seen_version, self._unseen_write = self.layout.flat._version, False
 
     def after_step(self) -> None:
         """The window's own writes into the buffers (unscaling, zeroing) are accounted for."""
-        self._seen_version, self._unseen_write = self.layout.flat._version, False
+        self._account_writes()
 
     def zero_grad(self) -> None:
         """As ``optimizer.zero_grad()`` in plain PyTorch: gradients that no
@@ -971,7 +974,7 @@ class GradIntake(Intake):
         if self.window.grads_since_step:
             self.layout.zero_views(self.layout.records[i] for i in self.window.touched)
             self.window.clear()
-            self._seen_version = self.layout.flat._version
+            self._account_writes()
         self.flush()
 
     def set_grad(self, r: ParamRecord, grad: torch.Tensor | None) -> None:

@@ -149,9 +149,9 @@ def collect_params(optimizer) -> tuple[list[torch.Tensor], list[int]]:
     return params, groups
 
 
-def param_signature(optimizer) -> tuple:
+def param_signature(param_groups) -> tuple:
     """Which params sit in which group: compared at every step() to the wrapped one."""
-    return tuple(tuple(id(p) for p in group["params"]) for group in optimizer.param_groups)
+    return tuple(tuple(id(p) for p in group["params"]) for group in param_groups)
 
 
 class Layout:

@@ -104,6 +104,17 @@ def _write_back(views: list[torch.Tensor], stepped: list[torch.Tensor]) -> None:
             view.copy_(dense)
 
 
+def _fp32_mastered(records: list[ParamRecord]) -> list[ParamRecord]:
+    """The records this rank steps from fp32 master weights."""
+    return [r for r in records if r.master is not None and r.master.dtype == torch.float32 and r.stepped_here]
+
+
+def _write_mark(r: ParamRecord) -> tuple[int, int]:
+    """What changes when anything writes ``r``'s param in place or replaces its storage."""
+    local = r.local
+    return local._version, local.data_ptr()
+
+
 class Updater:
     """Steps the params of a window from the buffers."""
 
@@ -159,12 +170,7 @@ class Updater:
         counter or storage moved are compared (one host sync for all). (A
         ``p.data.copy_`` bumps no counter and is not seen.) Remainders need no
         following: the param holds the master's high bits itself."""
-        moved = []
-        for r in records:
-            if r.master is not None and r.master.dtype == torch.float32 and r.stepped_here:
-                local = r.local
-                if self._written.get(r.index) != (local._version, local.data_ptr()):
-                    moved.append(r)
+        moved = [r for r in _fp32_mastered(records) if self._written.get(r.index) != _write_mark(r)]
         if not moved:
             return
         views = [r.param_view() for r in moved]
@@ -175,9 +181,8 @@ class Updater:
 
     def note_params(self, records: list[ParamRecord]) -> None:
         """The window wrote ``records``' params (stepped, and gathered across ranks)."""
-        for r in records:
-            if r.master is not None and r.master.dtype == torch.float32 and r.stepped_here:
-                self._written[r.index] = (r.local._version, r.local.data_ptr())
+        for r in _fp32_mastered(records):
+            self._written[r.index] = _write_mark(r)
 
     def init_state(self) -> None:
         """Create the state of every param this rank steps (zeros, step 0), as a

@@ -201,7 +201,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         the master weights (``masters``' by param index where given, else made from
         the params) and the intake, which takes the params' gradients from here on."""
         a = self._arguments
-        self._signature = param_signature(self.optimizer)
+        self._signature = param_signature(self.optimizer.param_groups)
         self._group_sizes = [len(ids) for ids in self._signature]  # (the micro-steps' cheaper check)
         self._layout = Layout(
             o.params,
@@ -314,7 +314,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         over the params held are set as they are, groups over other params lay
         the buffers out anew, as add_param_group does."""
         optimizer, before = self.optimizer, self.optimizer.param_groups
-        if tuple(tuple(id(p) for p in g["params"]) for g in groups) == self._signature:
+        if param_signature(groups) == self._signature:
             optimizer.param_groups = groups
             return
         self._lay_out_anew(
@@ -594,7 +594,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         group of 8-bit state has had amsgrad switched on."""
         groups = self.optimizer.param_groups
         if every_param:
-            changed = param_signature(self.optimizer) != self._signature
+            changed = param_signature(groups) != self._signature
         else:
             changed = [len(g["params"]) for g in groups] != self._group_sizes
         if changed:
