@@ -2,8 +2,9 @@
 a gloo group (torch.multiprocessing.spawn), each returning what the test checks.
 
 Every rank draws its own micro-batches from a generator seeded by (seed, window,
-rank, micro-step); the single-process reference draws the same W*N micro-batches
-and takes one big step on the mean (or item-weighted mean) of their losses.
+rank, micro-step); the runs return their params after every window, and the
+tests check each window's step against the exact one from the same params on
+all W*N micro-batches' gradients (window_gradients; tests/helpers.py).
 """
 
 from __future__ import annotations
@@ -61,35 +62,33 @@ def make_optimizer(name: str, params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=ADAM_EPS)
 
 
-def reference(cfg, world: int, order: str = "ranks") -> list[torch.Tensor]:
-    """One process, one big step per window on all ranks' micro-batches, the
-    losses summed rank by rank (``order="micro"``: micro-step by micro-step;
-    ``"reverse"``: from the last): the other orders measure the reference's own
-    sensitivity to fp32 summation order."""
-    model = Net()
-    opt = make_optimizer(cfg["optimizer"], model.parameters())
-    keys = [(r, m) for r in range(world) for m in range(N_MICRO)]
-    keys = {"ranks": keys, "micro": sorted(keys, key=lambda k: (k[1], k[0])), "reverse": keys[::-1]}[order]
-    for w in range(WINDOWS):
-        opt.zero_grad()
-        total, items = 0.0, 0
-        for r, m in keys:
-            x, y = micro_batch(cfg["seed"], w, r, m, cfg.get("normalize") == "items")
-            if cfg.get("normalize") == "items":
-                total = total + model.loss(x, y, r % 2 == 1, reduction="sum")
-                items += y.numel()
-            else:
-                total = total + model.loss(x, y, r % 2 == 1)
-        # As the wrapper: the gradient of the losses' sum, times 1 / (items or
-        # micro-batches) in fp32 (dividing the loss instead rounds at every op
-        # of the backward, unless the divisor is a power of two).
-        total.backward()
-        divisor = items if cfg.get("normalize") == "items" else world * N_MICRO
-        torch._foreach_mul_([p.grad for p in model.parameters()], torch.tensor(1.0 / divisor, dtype=torch.float32))
-        if cfg.get("clip"):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
-        opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+def window_gradients(cfg, world: int, loss_divisor: int = 1):
+    """For tests/helpers.py's assert_windows_within_bound: window w's
+    micro-batch gradients on every rank at the given params, each as a rank
+    computes it (its loss, mean or sum-reduced, divided by ``loss_divisor`` as
+    a loop that divides it does), and the divisor of their sum (the wrapper's
+    normalization: ranks x micro-steps, the items, or DDP's mean over ranks)."""
+    items = cfg.get("normalize") == "items"
+
+    def gradients(w: int, params: list[torch.Tensor]):
+        model = Net()
+        with torch.no_grad():
+            for p, value in zip(model.parameters(), params):
+                p.copy_(value)
+        grads, total_items = [], 0
+        for r in range(world):
+            for m in range(N_MICRO):
+                x, y = micro_batch(cfg["seed"], w, r, m, items)
+                loss = model.loss(x, y, r % 2 == 1, reduction="sum" if items else "mean")
+                if loss_divisor != 1:
+                    loss = loss / loss_divisor
+                got = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+                grads.append([torch.zeros_like(p) if g is None else g for p, g in zip(model.parameters(), got)])
+                total_items += y.numel()
+        divisor = total_items if items else world * N_MICRO // loss_divisor
+        return grads, divisor
+
+    return gradients
 
 
 def wrapped(cfg, model):
@@ -143,14 +142,12 @@ def parity(cfg, rank, world):
     """W ranks x N micro-steps against one process with the W*N micro-batches."""
     model = Net()
     opt = wrapped(cfg, model)
+    trajectory = [params_of(model)]
     for w in range(WINDOWS):
         for m in range(N_MICRO):
             micro_step(cfg, model, opt, w, m, rank)
-    out = {"params": params_of(model), "buckets": len(opt._layout.buckets)}
-    if rank == 0:
-        out["reference"] = reference(cfg, world)
-        out["alternates"] = [reference(cfg, world, order) for order in ("micro", "reverse")]
-    return out
+        trajectory.append(params_of(model))
+    return {"params": trajectory[-1], "trajectory": trajectory, "buckets": len(opt._layout.buckets)}
 
 
 def count(cfg, rank, world):
@@ -229,10 +226,11 @@ def ddp_taken_over(cfg, rank, world):
     """A DistributedDataParallel model in the wrapper's own loop, wrapped in
     DDP before the optimizer or after it (as Accelerate does): the wrapper
     takes DDP's communication over (a comm hook counts what DDP's reducer would
-    send: nothing), and the run equals the parity reference."""
+    send: nothing), and each window steps on all ranks' micro-batches."""
     out = {}
     for order in ("ddp-first", "optimizer-first"):
         model = Net()
+        trajectory = [params_of(model)]
         if order == "ddp-first":
             ddp = torch.nn.parallel.DistributedDataParallel(model)
             opt = wrapped(cfg, model)
@@ -247,10 +245,8 @@ def ddp_taken_over(cfg, rank, world):
                 F.mse_loss(ddp(x, rank % 2 == 1).float(), y).backward()
                 opt.step()
                 opt.zero_grad()
-        out[order] = {"params": params_of(model), "ddp_calls": calls[0]}
-    if rank == 0:
-        out["reference"] = reference(cfg, world)
-        out["alternates"] = [reference(cfg, world, order) for order in ("micro", "reverse")]
+            trajectory.append(params_of(model))
+        out[order] = {"params": trajectory[-1], "trajectory": trajectory, "ddp_calls": calls[0]}
     return out
 
 
@@ -268,7 +264,7 @@ def framework_loop(cfg, rank, world):
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     calls = [0]
     ddp.register_comm_hook(None, _counting_comm_hook(calls))
-    norms = []
+    norms, trajectory = [], [params_of(model)]
     for w in range(WINDOWS):
         for m in range(N_MICRO):
             x, y = micro_batch(cfg["seed"], w, rank, m, False)
@@ -277,30 +273,14 @@ def framework_loop(cfg, rank, world):
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])))
         opt.step()
         opt.zero_grad()
-    out = {"params": params_of(model), "ddp_calls": calls[0], "norms": norms, "intake": opt.intake}
-    if rank == 0:
-        out["reference"] = reference(cfg, world)
-        out["alternates"] = [reference(cfg, world, order) for order in ("micro", "reverse")]
-        out["reference_norms"] = reference_norms(cfg, world)
-    return out
-
-
-def reference_norms(cfg, world):
-    """The global gradient norm of each window of the reference run (before its clip)."""
-    model = Net()
-    opt = make_optimizer(cfg["optimizer"], model.parameters())
-    norms = []
-    for w in range(WINDOWS):
-        opt.zero_grad()
-        total = sum(
-            model.loss(*micro_batch(cfg["seed"], w, r, m, False), r % 2 == 1)
-            for r in range(world)
-            for m in range(N_MICRO)
-        )
-        (total / (world * N_MICRO)).backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])))
-        opt.step()
-    return norms
+        trajectory.append(params_of(model))
+    return {
+        "params": trajectory[-1],
+        "trajectory": trajectory,
+        "ddp_calls": calls[0],
+        "norms": norms,
+        "intake": opt.intake,
+    }
 
 
 def modes_agree(cfg, rank, world):

@@ -74,31 +74,43 @@ def wrapped_model(cfg, mesh, **options):
     return model, opt
 
 
-def reference(cfg, world, order="ranks"):
-    """One process, one big step per window on every rank's micro-batches, the
-    losses summed rank by rank (``order="micro"``: micro-step by micro-step;
-    ``"reverse"``: from the last): the other orders measure the reference's own
-    sensitivity to fp32 summation order."""
+def reference(cfg, world):
+    """One process, one big step per window on every rank's micro-batches (the
+    bf16-compute policies' comparison: their gradients are bf16's, not these)."""
     model = Net()
     opt = make_optimizer(model.parameters(), cfg.get("optimizer", "adamw"))
-    items = cfg.get("normalize") == "items"
     for w in range(WINDOWS):
         opt.zero_grad()
-        keys = [(r, m) for r in range(world) for m in range(N_MICRO)]
-        keys = {"ranks": keys, "micro": sorted(keys, key=lambda k: (k[1], k[0])), "reverse": keys[::-1]}[order]
-        batches = [micro_batch(cfg["seed"], w, r, m, items) for r, m in keys]
-        if items:
-            # As the wrapper: the sum-reduced losses' gradient, times 1 / items
-            # in fp32 (dividing the loss instead rounds at every backward op).
-            sum(F.mse_loss(model(x), y, reduction="sum") for x, y in batches).backward()
-            scale = torch.tensor(1.0 / sum(y.numel() for _, y in batches), dtype=torch.float32)
-            torch._foreach_mul_([p.grad for p in model.parameters()], scale)
-        else:  # len(batches) is a power of two: dividing the loss by it is exact
-            (sum(F.mse_loss(model(x), y) for x, y in batches) / len(batches)).backward()
+        batches = [micro_batch(cfg["seed"], w, r, m) for r in range(world) for m in range(N_MICRO)]
+        # len(batches) is a power of two: dividing the loss by it is exact
+        (sum(F.mse_loss(model(x), y) for x, y in batches) / len(batches)).backward()
         if cfg.get("clip"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
         opt.step()
     return [p.detach().clone() for p in model.parameters()]
+
+
+def window_gradients(cfg, world):
+    """For tests/helpers.py's assert_windows_within_bound: window w's
+    micro-batch gradients on every rank at the given (full) params, as FSDP2
+    computes them on the unsharded params, and the divisor of their sum."""
+    items = cfg.get("normalize") == "items"
+
+    def gradients(w: int, params: list[torch.Tensor]):
+        model = Net()
+        with torch.no_grad():
+            for p, value in zip(model.parameters(), params):
+                p.copy_(value)
+        grads, total_items = [], 0
+        for r in range(world):
+            for m in range(N_MICRO):
+                x, y = micro_batch(cfg["seed"], w, r, m, items)
+                loss = F.mse_loss(model(x), y, reduction="sum" if items else "mean")
+                grads.append(list(torch.autograd.grad(loss, list(model.parameters()))))
+                total_items += y.numel()
+        return grads, total_items if items else world * N_MICRO
+
+    return gradients
 
 
 def full_params(model):
@@ -124,11 +136,13 @@ def train(cfg, model, opt, rank, windows=range(WINDOWS), no_sync=False, poison=N
 def parity(cfg, rank, world, mesh):
     """W ranks x N micro-steps against one process with the W*N micro-batches."""
     model, opt = wrapped_model(cfg, mesh, max_grad_norm=cfg.get("clip"), normalize=cfg.get("normalize", "mean"))
-    train(cfg, model, opt, rank, no_sync=cfg.get("no_sync", False))
-    out = {"params": full_params(model)}
-    if rank == 0:
+    trajectory = [full_params(model)]
+    for w in range(WINDOWS):
+        train(cfg, model, opt, rank, windows=[w], no_sync=cfg.get("no_sync", False))
+        trajectory.append(full_params(model))
+    out = {"params": trajectory[-1], "trajectory": trajectory}
+    if rank == 0 and ("param_dtype" in cfg or "storage" in cfg):
         out["reference"] = reference(cfg, world)
-        out["alternates"] = [reference(cfg, world, order) for order in ("micro", "reverse")]
     return out
 
 

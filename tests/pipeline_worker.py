@@ -4,8 +4,8 @@ stage, each returning what the test checks.
 
 The model is an MLP cut into two stages of different sizes. A data-parallel
 rank draws its batch from a generator seeded by (seed, window, dp rank); the
-single-process reference trains the whole model on all data-parallel ranks'
-batches with one plain AdamW step per window on the mean loss.
+tests check each window of the stages' params against the exact AdamW step of
+the whole model on all data-parallel ranks' batches (window_gradients).
 """
 
 from __future__ import annotations
@@ -42,23 +42,26 @@ def make_inner(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-4)
 
 
-def reference(cfg, dp: int, order: str = "rows") -> list[torch.Tensor]:
-    """One process, the whole batch (``order="reverse"``: its rows from the
-    last, ``"rolled"``: from the middle; the other orders measure the
-    reference's own sensitivity to fp32 summation order)."""
-    model = full_model()
-    opt = make_inner(model.parameters())
-    for w in range(WINDOWS):
-        opt.zero_grad()
-        xs, ys = zip(*(batch(cfg["seed"], w, r) for r in range(dp)))
-        x, y = torch.cat(xs), torch.cat(ys)
-        if order == "reverse":
-            x, y = x.flip(0), y.flip(0)
-        elif order == "rolled":
-            x, y = x.roll(len(x) // 2, 0), y.roll(len(y) // 2, 0)
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+def window_gradients(cfg, dp: int):
+    """For tests/helpers.py's assert_windows_within_bound: window w's
+    micro-batch gradients of the whole model at the given params (the
+    schedule's MICRO chunks of every data-parallel rank's batch, each loss the
+    chunk's mean), and the divisor of their sum (scale_grads' MICRO times the
+    mean over dp ranks)."""
+
+    def gradients(w: int, params: list[torch.Tensor]):
+        model = full_model()
+        with torch.no_grad():
+            for p, value in zip(model.parameters(), params):
+                p.copy_(value)
+        grads = []
+        for r in range(dp):
+            x, y = batch(cfg["seed"], w, r)
+            for xm, ym in zip(x.chunk(MICRO), y.chunk(MICRO)):
+                grads.append(list(torch.autograd.grad(F.mse_loss(model(xm), ym), list(model.parameters()))))
+        return grads, MICRO * dp
+
+    return gradients
 
 
 def _schedule(name: str, stage):
@@ -69,7 +72,8 @@ def _schedule(name: str, stage):
 
 
 def train_pipeline(cfg, pp_rank: int, dp_rank: int, pp_group, wrapper_options: dict, wrapper_first=False):
-    """Stage ``pp_rank`` of the pipeline on ``pp_group``: the stage's params after WINDOWS windows."""
+    """Stage ``pp_rank`` of the pipeline on ``pp_group``: the stage's params
+    before the first window and after each."""
     from torch.distributed.pipelining import PipelineStage
 
     equal = cfg.get("equal_stages", False)
@@ -82,6 +86,7 @@ def train_pipeline(cfg, pp_rank: int, dp_rank: int, pp_group, wrapper_options: d
     if opt is None:
         opt = ak.AccumulatingOptimizer(make_inner(sub.parameters()), backend=cfg["backend"], **wrapper_options)
     schedule = _schedule(cfg["schedule"], stage)
+    trajectory = [[p.detach().clone() for p in sub.parameters()]]
     for w in range(WINDOWS):
         x, y = batch(cfg["seed"], w, dp_rank, 12 if equal else 3)
         if pp_rank == 0:
@@ -90,7 +95,8 @@ def train_pipeline(cfg, pp_rank: int, dp_rank: int, pp_group, wrapper_options: d
             schedule.step(target=y, losses=[])
         opt.step()
         opt.zero_grad()
-    return [p.detach().clone() for p in sub.parameters()], opt
+        trajectory.append([p.detach().clone() for p in sub.parameters()])
+    return trajectory, opt
 
 
 def _error(run) -> str | None:
@@ -104,12 +110,8 @@ def _error(run) -> str | None:
 def pipeline_only(cfg, rank, world):
     """Two ranks, one stage each, no data parallelism: the wrapper built after
     the stage (defaults), then with process_group= given explicitly."""
-    params, opt = train_pipeline(cfg, rank, 0, None, {})
-    out = {"params": params, "world_size": opt.world_size}
-    if rank == 0:
-        out["reference"] = reference(cfg, 1)
-        out["alternates"] = [reference(cfg, 1, order) for order in ("reverse", "rolled")]
-    return out
+    trajectory, opt = train_pipeline(cfg, rank, 0, None, {})
+    return {"trajectory": trajectory, "world_size": opt.world_size}
 
 
 def mesh_pp_dp(cfg, rank, world):
@@ -121,17 +123,14 @@ def mesh_pp_dp(cfg, rank, world):
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     found, opt = train_pipeline(cfg, pp_rank, dp_rank, mesh["pp"].get_group(), {})
     given, given_opt = train_pipeline(cfg, pp_rank, dp_rank, mesh["pp"].get_group(), {"process_group": mesh["dp"]})
-    out = {
+    return {
         "pp_rank": pp_rank,
-        "params": found,
+        "dp_rank": dp_rank,
+        "trajectory": found,
         "given": given,
         "world_size": opt.world_size,
         "given_world_size": given_opt.world_size,
     }
-    if rank == 0:
-        out["reference"] = reference(cfg, 2)
-        out["alternates"] = [reference(cfg, 2, order) for order in ("reverse", "rolled")]
-    return out
 
 
 def refusals(cfg, rank, world):

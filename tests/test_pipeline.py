@@ -10,8 +10,8 @@ import pipeline_worker as worker
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import assert_within_summation_noise
-from test_distributed import spawn
+from helpers import assert_windows_within_bound
+from test_distributed import WORKER_SEED, spawn
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 pipelining = pytest.importorskip("torch.distributed.pipelining")
@@ -29,10 +29,16 @@ def runs():
     return {2: spawn(2, CASES_2, worker.main), 4: spawn(4, CASES_4, worker.main)}
 
 
-def _stage_reference(reference: list[torch.Tensor], stage: int) -> list[torch.Tensor]:
-    """The reference params that belong to ``stage`` (the full model's, in order)."""
-    count = len(list(worker.stage_module(worker.full_model(), 0).parameters()))
-    return reference[:count] if stage == 0 else reference[count:]
+def assert_stages_exact_to_fp32(stages: list[list[list[torch.Tensor]]], schedule: str, dp: int) -> None:
+    """``stages``: stage 0's and stage 1's trajectories. Joined into the whole
+    model's, every window is the exact AdamW step of the whole model on all
+    data-parallel ranks' batches, to the fp32 error bound (tests/helpers.py)."""
+    whole = [first + second for first, second in zip(*stages)]
+    assert_windows_within_bound(
+        whole,
+        worker.window_gradients(dict(seed=WORKER_SEED), dp),
+        worker.make_inner([torch.zeros(1)]),
+    )
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -40,28 +46,24 @@ def test_each_stage_equals_one_process(runs, schedule):
     """Stages of different sizes, the wrapper's defaults: no reduction across
     the pipeline (each stage has no replica), the schedule's scale_grads on the
     fp32 .grad, the big batch's update."""
-    reference, alternates = runs[2][0][schedule]["reference"], runs[2][0][schedule]["alternates"]
-    for stage, result in enumerate(r[schedule] for r in runs[2]):
-        assert result["world_size"] == 1
-        assert_within_summation_noise(
-            result["params"],
-            _stage_reference(reference, stage),
-            [_stage_reference(a, stage) for a in alternates],
-            worker.WINDOWS,
-        )
+    results = [r[schedule] for r in runs[2]]
+    assert all(result["world_size"] == 1 for result in results)
+    assert_stages_exact_to_fp32([result["trajectory"] for result in results], schedule, 1)
 
 
 def test_a_pp_by_dp_mesh_equals_one_process(runs):
     """(pp=2, dp=2): each stage's wrapper reduces over its dp dimension only,
-    found on the mesh or given as process_group=mesh['dp']."""
+    found on the mesh or given as process_group=mesh['dp']; the replicas of a
+    stage hold the same params."""
     results = [r["mesh-1f1b"] for r in runs[4]]
-    reference, alternates = results[0]["reference"], results[0]["alternates"]
+    stages = {}
     for result in results:
         assert result["world_size"] == 2 and result["given_world_size"] == 2
-        expected = _stage_reference(reference, result["pp_rank"])
-        noise = [_stage_reference(a, result["pp_rank"]) for a in alternates]
-        assert_within_summation_noise(result["params"], expected, noise, worker.WINDOWS)
-        assert_within_summation_noise(result["given"], expected, noise, worker.WINDOWS)
+        first = stages.setdefault(result["pp_rank"], result)
+        for key in ("trajectory", "given"):
+            assert all(torch.equal(a, b) for a, b in zip(result[key][-1], first[key][-1])), key
+    for key in ("trajectory", "given"):
+        assert_stages_exact_to_fp32([stages[0][key], stages[1][key]], "mesh-1f1b", 2)
 
 
 def test_what_a_pipeline_must_not_train_silently(runs):
