@@ -227,6 +227,31 @@ def lightning_trainer(**options):
     )
 
 
+def lightning_straight_and_resumed(make_module, epochs: int, name: str, callbacks=list):
+    """Lightning on the regression data (batches of 4, accumulate_grad_batches=4,
+    gradient_clip_val=CLIP): ``epochs`` epochs straight, and ``epochs - 1``, a
+    checkpoint, a new Trainer resuming from it for the last; the two modules
+    (``callbacks()``: each Trainer's callbacks)."""
+    x, y = regression_data(32)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"ak-{name}-{os.getpid()}.ckpt")
+
+    def fit(n, ckpt=None):
+        module = make_module()
+        trainer = lightning_trainer(
+            max_epochs=n, accumulate_grad_batches=4, gradient_clip_val=CLIP, callbacks=callbacks()
+        )
+        trainer.fit(module, loader, ckpt_path=ckpt)
+        return module, trainer
+
+    straight, _ = fit(epochs)
+    _, trainer = fit(epochs - 1)
+    trainer.save_checkpoint(path)
+    resumed, _ = fit(epochs, ckpt=path)
+    os.remove(path)
+    return straight, resumed
+
+
 def lightning(wrap: bool, precision: str, manual: bool = False) -> dict:
     import pytorch_lightning as pl
     from pytorch_lightning.utilities import grad_norm
@@ -402,22 +427,7 @@ def lightning_class(wrap: bool, state_dtype: str | None = None) -> dict:
             scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
             return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-    x, y = regression_data(32)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
-    folder = os.environ.get("TMPDIR", "/tmp")
-    path = os.path.join(folder, f"ak-lightning-{wrap:d}-{os.getpid()}.ckpt")
-
-    def fit(epochs, ckpt=None):
-        module = Module()
-        trainer = lightning_trainer(max_epochs=epochs, accumulate_grad_batches=4, gradient_clip_val=CLIP)
-        trainer.fit(module, loader, ckpt_path=ckpt)
-        return module, trainer
-
-    straight, _ = fit(2)
-    first, trainer = fit(1)
-    trainer.save_checkpoint(path)
-    resumed, _ = fit(2, ckpt=path)
-    os.remove(path)
+    straight, resumed = lightning_straight_and_resumed(Module, 2, f"lightning-{wrap:d}")
     return {
         "params": params_of(straight.net),
         "resumed": params_of(resumed.net),
@@ -455,27 +465,11 @@ def lightning_finetuning(wrap: bool) -> dict:
             self.opt = cls(self.head.parameters(), lr=1e-2, weight_decay=0.01, eps=ADAM_EPS)
             return self.opt
 
-    x, y = regression_data(32)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
-    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"ak-finetuning-{wrap:d}-{os.getpid()}.ckpt")
+    def callbacks():
+        return [BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda epoch: 1.5, verbose=False)]
 
-    def fit(epochs, ckpt=None):
-        module = Module()
-        trainer = lightning_trainer(
-            max_epochs=epochs,
-            accumulate_grad_batches=4,
-            gradient_clip_val=CLIP,
-            callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda epoch: 1.5, verbose=False)],
-        )
-        trainer.fit(module, loader, ckpt_path=ckpt)
-        return module, trainer
-
-    straight, _ = fit(3)
-    _, trainer = fit(2)
-    trainer.save_checkpoint(path)
     # Resuming, BaseFinetuning assigns the saved groups to optimizer.param_groups.
-    resumed, _ = fit(3, ckpt=path)
-    os.remove(path)
+    straight, resumed = lightning_straight_and_resumed(Module, 3, f"finetuning-{wrap:d}", callbacks)
     return {
         "params": [p.detach().double().flatten().tolist() for p in straight.parameters()],
         "resumed": [p.detach().double().flatten().tolist() for p in resumed.parameters()],
