@@ -365,6 +365,43 @@ def misuse(cfg, rank, world):
     return {"errors": errors, "micro_steps": opt.micro_steps}
 
 
+def dcp(cfg, rank, world):
+    """torch.distributed.checkpoint's get/set_optimizer_state_dict at a window
+    boundary: in all-reduce mode (bf16 params, fp32 masters) a fresh wrapper
+    given the state trains on bit for bit; with sharded=True (ZeRO-1) each
+    rank's state is its own shard, which DCP would save once for all ranks:
+    the error (opt.state_dict(), per rank, still works)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    def run(model, opt, windows):
+        for w in windows:
+            for m in range(N_MICRO):
+                micro_step(cfg, model, opt, w, m, rank)
+
+    options = dict(cfg, dtype=torch.bfloat16, master_weights=True)
+    model = Net(torch.bfloat16)
+    opt = wrapped(options, model)
+    run(model, opt, [0])
+    saved = copy.deepcopy((model.state_dict(), get_optimizer_state_dict(model, opt)))
+    fresh = Net(torch.bfloat16)
+    fresh_opt = wrapped(options, fresh)
+    fresh.load_state_dict(saved[0])
+    set_optimizer_state_dict(fresh, fresh_opt, saved[1])
+    run(model, opt, [1, 2])
+    run(fresh, fresh_opt, [1, 2])
+    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+
+    model = Net()
+    opt = wrapped(dict(cfg, sharded=True), model)
+    run(model, opt, [0])
+    try:
+        get_optimizer_state_dict(model, opt)
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    return {"same": same, "sharded_error": error, "per_rank": "accumkernels" in opt.state_dict()}
+
+
 def wire_contribution(seed: int, rank: int, n: int) -> torch.Tensor:
     """Rank ``rank``'s window sum in the wire scenario: magnitudes over many octaves."""
     g = torch.Generator().manual_seed(seed * 1000 + rank)
@@ -394,6 +431,7 @@ SCENARIOS = {
     "ddp_taken_over": ddp_taken_over,
     "framework_loop": framework_loop,
     "misuse": misuse,
+    "dcp": dcp,
     "add_group": add_group,
     "modes_agree": modes_agree,
 }

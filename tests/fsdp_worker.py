@@ -238,8 +238,9 @@ def dcp_round_trip(cfg, rank, world, mesh):
     empty = get_optimizer_state_dict(model, opt)  # DCP calls step() to create the state: no micro-step counted
     assert opt.micro_steps == 0 and all(float(s["step"]) == 0 for s in empty["state"].values())
     train(cfg, model, opt, rank, windows=[0])
+    dtype = next(model.parameters()).dtype
     x, y = micro_batch(cfg["seed"], 1, rank, 0)
-    F.mse_loss(model(x), y).backward()
+    F.mse_loss(model(x.to(dtype)), y).backward()
     opt.step()
     try:
         get_optimizer_state_dict(model, opt)
@@ -248,7 +249,7 @@ def dcp_round_trip(cfg, rank, world, mesh):
         refused = "window" in str(e)
     for m in range(1, N_MICRO):
         x, y = micro_batch(cfg["seed"], 1, rank, m)
-        F.mse_loss(model(x), y).backward()
+        F.mse_loss(model(x.to(dtype)), y).backward()
         opt.step()
     folder = os.path.join(cfg["tmp"], "dcp")
     dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=folder)

@@ -368,3 +368,35 @@ def test_error_inputs_as_torch(cls, error):
 def test_differentiable_is_refused(name):
     with pytest.raises(ValueError, match="differentiable=True"):
         getattr(ak, name)([torch.randn(3, requires_grad=True)], differentiable=True)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD], ids=lambda c: c.__name__)
+def test_differentiable_is_refused_through_the_wrapper_too(cls):
+    """A wrapped torch optimizer with differentiable=True would step through
+    the fused step, which records no graph: refused when wrapped, when set on
+    a group later (at the window's step, before anything is stepped; set back,
+    the same step() goes on) and in a checkpoint (before anything is loaded).
+    A fallback optimizer runs its own step, differentiable as torch's."""
+    with pytest.raises(ValueError, match="param group 0 has differentiable=True"):
+        ak.AccumulatingOptimizer(cls([torch.randn(3, requires_grad=True)], lr=0.1, differentiable=True))
+    ak.AccumulatingOptimizer(torch.optim.RMSprop([torch.randn(3, requires_grad=True)], differentiable=True))
+
+    p = torch.nn.Parameter(torch.randn(5))
+    opt = ak.AccumulatingOptimizer(cls([p], lr=0.1), accum_steps=2)
+    p.square().sum().backward()
+    opt.step()
+    p.square().sum().backward()
+    opt.param_groups[0]["differentiable"] = True
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="param group 0 has differentiable=True"):
+        opt.step()
+    assert torch.equal(p, before)
+    opt.param_groups[0]["differentiable"] = False
+    opt.step()
+    assert not torch.equal(p, before), "the window stepped once the flag was set back"
+
+    plain = cls([torch.nn.Parameter(torch.randn(5))], lr=0.1, differentiable=True)
+    saved = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match="the checkpoint's param group 0 has differentiable=True"):
+        opt.load_state_dict(plain.state_dict())
+    assert opt.state_dict()["param_groups"] == saved["param_groups"]

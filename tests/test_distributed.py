@@ -63,6 +63,7 @@ CASES_2 = {
     "ddp": dict(scenario="ddp_taken_over", optimizer="adamw"),
     "framework-loop": dict(scenario="framework_loop", optimizer="adamw", clip=0.05),
     "misuse": dict(scenario="misuse", optimizer="sgd"),
+    "dcp": dict(scenario="dcp", optimizer="adamw"),
     "add-group": dict(scenario="add_group", optimizer="adamw"),
     "modes-agree": dict(scenario="modes_agree", optimizer="adamw"),
 }
@@ -259,6 +260,16 @@ def test_misuse_during_the_reduction_is_refused(runs):
         assert "cross-rank reduction has already started" in errors["second_backward"]
         assert "got 2 gradients since the last step()" in errors["step"]
         assert r["misuse"]["micro_steps"] == worker.N_MICRO - 1  # nothing stepped
+
+
+def test_distributed_checkpoint(runs):
+    """All-reduce mode resumes bitwise through DCP (fp32 masters of bf16
+    params included); ZeRO-1 state is refused by name."""
+    for r in runs[2]:
+        result = r["dcp"]
+        assert result["same"]
+        assert "sharded=True (ZeRO-1)" in result["sharded_error"], result["sharded_error"]
+        assert result["per_rank"]
 
 
 def test_add_param_group_across_ranks(runs):

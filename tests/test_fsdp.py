@@ -47,6 +47,10 @@ CASES_2 = {
     "resume-bf16-8bit": dict(scenario="resume", storage="bf16", options=dict(state_dtype="8bit")),
     "dcp": dict(scenario="dcp_round_trip"),
     "dcp-8bit": dict(scenario="dcp_round_trip", options=dict(state_dtype="8bit")),
+    # bf16 shards: the rounding stream, the fp32 masters and the remainders go through DCP too
+    "dcp-bf16-defaults": dict(scenario="dcp_round_trip", storage="bf16"),
+    "dcp-bf16-master": dict(scenario="dcp_round_trip", storage="bf16", options=dict(master_weights=True)),
+    "dcp-bf16-remainders": dict(scenario="dcp_round_trip", storage="bf16", options=dict(master_weights="remainders")),
     "memory": dict(scenario="buffer_bytes"),
     "refusals": dict(scenario="refusals"),
 }
@@ -107,7 +111,7 @@ def test_resume_mid_window_is_bitwise(runs, case):
     assert all(rank[case]["same"] for rank in runs[2])
 
 
-@pytest.mark.parametrize("case", ["dcp", "dcp-8bit"])
+@pytest.mark.parametrize("case", ["dcp", "dcp-8bit", "dcp-bf16-defaults", "dcp-bf16-master", "dcp-bf16-remainders"])
 def test_distributed_checkpoint(runs, case):
     for rank in runs[2]:
         assert rank[case] == {"refused_mid_window": True, "same": True}

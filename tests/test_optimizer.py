@@ -367,6 +367,50 @@ def test_resume_mid_window_is_bitwise(backend, precision):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("precision", [*PRECISIONS, "8bit"])
+def test_resume_through_torch_distributed_checkpoint_is_bitwise(backend, tmp_path, precision):
+    """torch.distributed.checkpoint on one process (get_state_dict, dcp.save,
+    dcp.load into a fresh model's and optimizer's, set_state_dict) at a window
+    boundary: the rest of the run is bitwise the same as without stopping. DCP
+    keeps only 'state' and 'param_groups': the master weights (or remainders)
+    ride in each param's state, the rounding seed and window count in group 0
+    (without them: masters rounded to bf16, remainders lost, another stream).
+    The dict DCP produced loads into torch's AdamW, which steps with it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    batches = [(x.bfloat16(), y.bfloat16()) for x, y in (data(16) for _ in range(16))]
+    options = dict(state_dtype="8bit") if precision == "8bit" else PRECISIONS[precision]
+
+    def make(seed):
+        torch.manual_seed(seed)  # the fresh run's own init and rounding seed: both replaced by the checkpoint's
+        model = nn.Sequential(nn.Linear(12, 300), nn.GELU(), nn.Linear(300, 3)).bfloat16()
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS)
+        return model, ak.AccumulatingOptimizer(inner, accum_steps=4, backend=backend, **options)
+
+    straight, straight_opt = make(0)
+    _train(straight, straight_opt, batches)
+    first, first_opt = make(0)
+    _train(first, first_opt, batches[:8])
+    model_state, optim_state = get_state_dict(first, first_opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp_path)
+    resumed, resumed_opt = make(1)
+    model_state, optim_state = get_state_dict(resumed, resumed_opt)
+    loaded = {"model": model_state, "optim": optim_state}
+    dcp.load(loaded, checkpoint_id=tmp_path)
+    set_state_dict(resumed, resumed_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    _train(resumed, resumed_opt, batches[8:])
+    for a, b in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+    assert not any(key.startswith("accumkernels") for group in resumed_opt.param_groups for key in group)
+    assert not any(key.startswith("accumkernels") for state in resumed_opt.state.values() for key in state)
+    if precision != "8bit":  # 8-bit codes go to torch through dequantized_state_dict
+        first_opt.close()  # gives the params back
+        plain = torch.optim.AdamW(first.parameters(), lr=1e-2, eps=ADAM_EPS)
+        set_state_dict(first, plain, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+        _train(first, plain, batches[8:9])
+
+
 def test_default_precision_follows_the_param_dtype(backend):
     """bf16 params: stochastically rounded, state in bf16 (10 bytes per param
     with the fp32 buffer: 2 + 4 + 2 + 2); fp32 and fp16 params: fp32 state and

@@ -12,13 +12,14 @@ named, and the wrapper goes on as it was.
 from __future__ import annotations
 
 import math
+from itertools import chain
 
 import torch
 
 from .._state8 import MOMENTS, decode_moment, scales_numel
 from ._discovery import calling_frame
 from ._fsdp import local_tensor, shard_like, state8_blocks
-from ._options import check_8bit_state
+from ._options import check_groups
 from ._update import optimizer_kind
 
 
@@ -54,8 +55,7 @@ def check_loadable(wrapper, state_dict: dict, extra: dict | None) -> None:
     elif wrapper.sharded:
         raise ValueError("sharded=True loads only its own state dicts (a plain optimizer's holds whole params)")
     pairs = _params_in_saved_order(wrapper, state_dict)  # (checks that the groups pair with ours)
-    if wrapper._arguments["state_dtype"] == "8bit":
-        check_8bit_state(state_dict["param_groups"], whose="the checkpoint's ")
+    check_groups(wrapper.optimizer, wrapper._arguments["state_dtype"], state_dict["param_groups"], "the checkpoint's ")
     counts_steps = optimizer_kind(wrapper.optimizer) in ("adam", "adamw")
     for saved_id, r in pairs:
         entries = state_dict["state"].get(saved_id, {})
@@ -110,9 +110,15 @@ def check_loadable(wrapper, state_dict: dict, extra: dict | None) -> None:
             f"window elsewhere: resume with accum_steps={saved_steps}, or save at a window boundary "
             "(opt.window_stepped) to change the window length"
         )
-    masters = extra.get("master_weights", {})
+    check_masters(wrapper, extra.get("master_weights", {}), every=True)
+
+
+def check_masters(wrapper, masters: dict, every: bool) -> None:
+    """``masters`` (a checkpoint's master weights by param index, this rank's
+    elements) fit the wrapper's: for ``every`` param that keeps them (the
+    in-window entry), or for some of them (carried through DCP)."""
     ours = {r.index: r.master for r in wrapper._layout if r.master is not None}
-    if set(masters) != set(ours):
+    if set(masters) != set(ours) if every else not set(masters) <= set(ours):
         raise ValueError(
             f"checkpoint has master weights for {len(masters)} params; this wrapper keeps them for {len(ours)} "
             "(was it saved with another master_weights setting?)"
@@ -220,14 +226,72 @@ def dcp_initializing_state() -> bool:
     return _called_from(_DCP, "_init_optim_state")
 
 
-def refuse_dcp_mid_window(window) -> None:
+MASTER_KEY = "accumkernels_master"  # in a param's state: its master weights (fp32) or remainders (int16)
+WINDOW_KEY = "accumkernels_window"  # in param group 0: the run's stochastic-rounding seed and window count
+
+
+def dcp_saving() -> bool:
+    """state_dict() is being called by get_optimizer_state_dict (or by
+    set_optimizer_state_dict, which maps the state through it)."""
+    return _called_from(_DCP, "_get_optim_state_dict")
+
+
+def carried_through_dcp(wrapper, sd: dict) -> dict:
+    """``sd`` (state_dict() at a window boundary, the only place DCP may save)
+    with what DCP would drop of its in-window entry moved into what DCP keeps:
+    each param's master weights into its state (a DTensor sharded like the
+    param on FSDP2), the stochastic-rounding seed and window count into param
+    group 0. Nothing else of that entry holds anything at a boundary. Params
+    without state (never stepped) have masters equal to the params."""
+    groups = [dict(g) for g in sd["param_groups"]]
+    groups[0][WINDOW_KEY] = {"seed": wrapper._window.seed, "windows": wrapper._window.windows}
+    state = dict(sd["state"])
+    saved_ids = chain.from_iterable(g["params"] for g in groups)
+    for saved_id, p in zip(saved_ids, chain.from_iterable(g["params"] for g in wrapper.param_groups)):
+        r = wrapper._layout.record(p)
+        if r.master is not None and saved_id in state:
+            master = r.master.clone()
+            master = shard_like(master, r.param) if hasattr(r.param, "device_mesh") else master
+            state[saved_id] = {**state[saved_id], MASTER_KEY: master}
+    return {**sd, "state": state, "param_groups": groups}
+
+
+def _take_carried(wrapper, state_dict: dict) -> tuple[dict, dict, dict | None]:
+    """``state_dict`` without what carried_through_dcp put in it (the wrapped
+    optimizer never holds it), the master weights it carried (by param index,
+    this rank's elements) and the window's seed and count (or None)."""
+    groups = [dict(g) for g in state_dict["param_groups"]]
+    windows = [g.pop(WINDOW_KEY) for g in groups if WINDOW_KEY in g]
+    state_dict = {**state_dict, "param_groups": groups}
+    pairs = dict(_params_in_saved_order(wrapper, state_dict))
+    state, masters = {}, {}
+    for saved_id, entries in state_dict["state"].items():
+        if MASTER_KEY in entries and saved_id in pairs:
+            entries = dict(entries)
+            masters[pairs[saved_id].index] = local_tensor(entries.pop(MASTER_KEY))
+        state[saved_id] = entries
+    return {**state_dict, "state": state}, masters, windows[0] if windows else None
+
+
+def refuse_dcp(wrapper) -> None:
     """get_optimizer_state_dict keeps the optimizer state but not the wrapper's
-    in-window entry: refused while a window holds gradients."""
-    if (window.micro_steps or window.touched) and _called_from(_DCP, "_get_optim_state_dict"):
+    in-window entry: refused while a window holds gradients. With
+    sharded=True (ZeRO-1) each rank's state is a plain tensor of its own
+    shard, which DCP would save once for all ranks: refused."""
+    window = wrapper._window
+    if not dcp_saving():
+        return
+    if window.micro_steps or window.touched:
         raise RuntimeError(
             "torch.distributed.checkpoint's get_optimizer_state_dict would drop the gradients of the window in "
             f"progress ({window.micro_steps} micro-steps): call it after the window's last step(), or save "
             "opt.state_dict() per rank (torch.save), which keeps them"
+        )
+    if wrapper.sharded:
+        raise RuntimeError(
+            "torch.distributed.checkpoint's get_optimizer_state_dict cannot save sharded=True (ZeRO-1) state: each "
+            "rank holds its own shard as a plain tensor, which DCP would save once for all ranks; save "
+            "opt.state_dict() per rank (torch.save) and load it on the same rank"
         )
 
 
@@ -235,19 +299,26 @@ def load(wrapper, state_dict: dict) -> None:
     """AccumulatingOptimizer.load_state_dict: everything checked, then written."""
     state_dict = dict(state_dict)
     extra = state_dict.pop("accumkernels", None)
+    if not isinstance(state_dict.get("param_groups"), list) or "state" not in state_dict:
+        raise ValueError("not an optimizer state dict: it needs 'state' and 'param_groups'")
+    state_dict, carried, window = _take_carried(wrapper, state_dict)  # saved through DCP
     check_loadable(wrapper, state_dict, extra)
+    check_masters(wrapper, carried, every=False)
     wrapper.optimizer.load_state_dict(state_dict)
     load_state_in_its_dtype(wrapper, state_dict)
     wrapper._window.clear()
     if extra is not None:
         wrapper._window.load_state_dict(extra)
+    elif window is not None:
+        wrapper._window.seed, wrapper._window.windows = window["seed"], window["windows"]
     # None: saved at a window boundary, or a plain optimizer's checkpoint: the window starts empty, its buffers too
     wrapper._intake.restore_sums(None if extra is None else extra["flat_buffer"])
+    masters = carried if extra is None else extra["master_weights"]
     for r in wrapper._layout:  # master weights: the checkpoint's, or the (already loaded) params'
         if r.master is None:
             continue
-        if extra is not None:
-            r.master.copy_(extra["master_weights"][r.index])
+        if r.index in masters:
+            r.master.copy_(masters[r.index])
         elif r.master.dtype == torch.int16:
             r.master.zero_()  # a bf16 param is an fp32 value with zero low bits
         else:

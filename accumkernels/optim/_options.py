@@ -97,8 +97,7 @@ def check_options(
     ):
         if flag and optimizer_kind(optimizer) == "fallback":
             raise ValueError(f"{name} needs SGD, Adam or AdamW (the fused step); got {type(optimizer).__name__}")
-    if state_dtype == "8bit":
-        check_8bit_state(optimizer.param_groups)
+    check_groups(optimizer, state_dtype)
     if master_weights and stochastic_rounding:
         raise ValueError("master_weights and stochastic_rounding=True exclude each other: choose one")
     initialized = dist.is_available() and dist.is_initialized()
@@ -162,14 +161,24 @@ def check_options(
 _NO_REPLICAS = object()  # a pipeline stage no other rank holds: nothing to reduce
 
 
-def check_8bit_state(param_groups: list[dict], whose: str = "") -> None:
-    """state_dtype='8bit' (accumkernels._state8): SGD (its momentum buffers),
-    Adam or AdamW without amsgrad (a fallback optimizer is refused before).
-    Checked on the groups when built, on a checkpoint's before it is loaded,
-    and again at every window's step (a group's amsgrad switched on in
-    between), before anything is written or stepped."""
-    for i, group in enumerate(param_groups):
-        if group.get("amsgrad"):
+NOT_DIFFERENTIABLE = "differentiable=True: the fused step is not differentiable (use torch.optim's optimizer)"
+
+
+def check_groups(optimizer, state_dtype, param_groups: list[dict] | None = None, whose: str = "") -> None:
+    """What the fused step (SGD, Adam, AdamW) refuses in a param group of
+    ``optimizer`` (``param_groups``: a checkpoint's, to be loaded into it):
+    differentiable=True (the step records no autograd graph: a loss through
+    the updated params would carry no gradient back through it, silently) and,
+    with state_dtype='8bit' (accumkernels._state8), amsgrad=True. A fallback
+    optimizer runs its own step. Checked on the groups when built, on a
+    checkpoint's before it is loaded, and again at every window's step (a flag
+    set in between), before anything is written or stepped."""
+    if optimizer_kind(optimizer) == "fallback":
+        return
+    for i, group in enumerate(optimizer.param_groups if param_groups is None else param_groups):
+        if group.get("differentiable"):
+            raise ValueError(f"{whose}param group {i} has {NOT_DIFFERENTIABLE}")
+        if state_dtype == "8bit" and group.get("amsgrad"):
             raise ValueError(
                 f"state_dtype='8bit' does not support amsgrad=True (its max_exp_avg_sq would need a code too): "
                 f"{whose}param group {i} has it; set it to False, or build the optimizer with "

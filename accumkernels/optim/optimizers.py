@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from ._options import NOT_DIFFERENTIABLE
 from .wrapper import AccumulatingOptimizer
-
-_TORCH_ONLY = "differentiable=True: the fused step is not differentiable (use torch.optim's optimizer)"
 
 
 class AdamW(AccumulatingOptimizer):
@@ -56,7 +55,7 @@ class AdamW(AccumulatingOptimizer):
         **options,
     ) -> None:
         if differentiable:
-            raise ValueError(f"accumkernels.AdamW: {_TORCH_ONLY}")
+            raise ValueError(f"accumkernels.AdamW: {NOT_DIFFERENTIABLE}")
         inner = torch.optim.AdamW(
             params,
             lr=lr,
@@ -101,7 +100,7 @@ class Adam(AccumulatingOptimizer):
         **options,
     ) -> None:
         if differentiable:
-            raise ValueError(f"accumkernels.Adam: {_TORCH_ONLY}")
+            raise ValueError(f"accumkernels.Adam: {NOT_DIFFERENTIABLE}")
         inner = torch.optim.Adam(
             params,
             lr=lr,
@@ -145,7 +144,7 @@ class SGD(AccumulatingOptimizer):
         **options,
     ) -> None:
         if differentiable:
-            raise ValueError(f"accumkernels.SGD: {_TORCH_ONLY}")
+            raise ValueError(f"accumkernels.SGD: {NOT_DIFFERENTIABLE}")
         inner = torch.optim.SGD(
             params,
             lr=lr,

@@ -28,10 +28,31 @@ from . import _checkpoint, _fsdp, _guards
 from ._amp import LossScale
 from ._intake import INTAKE_CLASSES, INTAKES, holds_buffers, make_intake
 from ._layout import Layout, param_signature
-from ._options import check_8bit_state, check_options
+from ._options import check_groups, check_options
 from ._sync import make_sync
 from ._update import Updater, clip_coefficient
 from ._window import Window, run_seed
+
+# The wrapper's arguments check_options validates (all but grad_scaler,
+# skip_nonfinite and backend, checked where they are used).
+_CHECKED_ARGUMENTS = (
+    "normalize",
+    "max_grad_norm",
+    "master_weights",
+    "stochastic_rounding",
+    "state_dtype",
+    "seed",
+    "intake",
+    "bucket_cap_mb",
+    "process_group",
+    "sharded",
+    "wire_dtype",
+)
+
+
+def _checked_options(optimizer, arguments: dict):
+    """check_options for ``optimizer`` as it is now, with the wrapper's ``arguments``."""
+    return check_options(optimizer, arguments["accum_steps"], **{k: arguments[k] for k in _CHECKED_ARGUMENTS})
 
 
 class AccumulatingOptimizer(torch.optim.Optimizer):
@@ -134,24 +155,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     ) -> None:
         if isinstance(optimizer, AccumulatingOptimizer):
             raise TypeError("optimizer is already an AccumulatingOptimizer")
-        o = check_options(
-            optimizer,
-            accum_steps,
-            normalize=normalize,
-            max_grad_norm=max_grad_norm,
-            master_weights=master_weights,
-            stochastic_rounding=stochastic_rounding,
-            state_dtype=state_dtype,
-            seed=seed,
-            intake=intake,
-            bucket_cap_mb=bucket_cap_mb,
-            process_group=process_group,
-            sharded=sharded,
-            wire_dtype=wire_dtype,
-        )
-        accum_steps, intake, mesh = o.accum_steps, o.intake, o.mesh
-        # What a copy (copy.deepcopy, pickle) is rebuilt from: see __getstate__.
-        self._arguments = dict(
+        arguments = dict(
             accum_steps=accum_steps,
             normalize=normalize,
             max_grad_norm=max_grad_norm,
@@ -168,6 +172,10 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             sharded=sharded,
             wire_dtype=wire_dtype,
         )
+        o = _checked_options(optimizer, arguments)
+        accum_steps, intake, mesh = o.accum_steps, o.intake, o.mesh
+        # What a copy (copy.deepcopy, pickle) is rebuilt from: see __getstate__.
+        self._arguments = dict(arguments, accum_steps=accum_steps, intake=intake)
         # torch.optim.Optimizer's machinery (hooks, step patching), sharing the
         # wrapped optimizer's param_groups and state rather than copying them.
         self.optimizer = optimizer
@@ -350,7 +358,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             )
         change()
         try:
-            options = self._checked_options()
+            options = _checked_options(self.optimizer, self._arguments)
         except Exception:
             undo()
             raise
@@ -364,16 +372,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             self._lay_out(options, {renumbered[i]: m for i, m in masters.items() if i in renumbered})
         except Exception:  # e.g. out of memory for a larger buffer: the wrapper as it was
             undo()
-            self._lay_out(self._checked_options(), masters)
+            self._lay_out(_checked_options(self.optimizer, self._arguments), masters)
             raise
         window.renumber(renumbered)
-
-    def _checked_options(self):
-        """check_options for the wrapped optimizer as it is now, with the wrapper's arguments."""
-        a = self._arguments
-        keys = ("normalize", "max_grad_norm", "master_weights", "stochastic_rounding", "state_dtype", "seed")
-        keys += ("intake", "bucket_cap_mb", "process_group", "sharded", "wire_dtype")
-        return check_options(self.optimizer, a["accum_steps"], **{k: a[k] for k in keys})
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Intake "hooks": harmless (gradients are folded as they arrive, the
@@ -507,6 +508,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             pre_hook(self)
         self._intake.flush()
         sd = self.optimizer.state_dict()
+        if _checkpoint.dcp_saving():  # DCP keeps only 'state' and 'param_groups'
+            sd = _checkpoint.carried_through_dcp(self, sd)
         sd["accumkernels"] = self._window_entry()
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, sd)
@@ -515,9 +518,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         return sd
 
     def _refuse_saving(self, what: str) -> None:
-        """Refuses to save while a reduction is in flight, or mid-window into DCP."""
+        """Refuses to save while a reduction is in flight, or into DCP what it would save wrong."""
         self._refuse_during_reduction(what)
-        _checkpoint.refuse_dcp_mid_window(self._window)
+        _checkpoint.refuse_dcp(self)
 
     def _window_entry(self) -> dict[str, Any]:
         """state_dict()'s ``"accumkernels"`` entry (the intake flushed)."""
@@ -603,8 +606,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 "group added to the optimizer it wraps): change the groups through the wrapper, between windows "
                 "(its add_param_group, or assign its param_groups)"
             )
-        if every_param and self._arguments["state_dtype"] == "8bit":
-            check_8bit_state(self.optimizer.param_groups)
+        if every_param:
+            check_groups(self.optimizer, self._arguments["state_dtype"])
 
     def _refuse_during_reduction(self, what: str) -> None:
         if self._sync.started:
