@@ -16,6 +16,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from helpers import gradients_at
 from torch import nn
 from torch.nn import functional as F
 
@@ -71,22 +72,14 @@ def window_gradients(cfg, world: int, loss_divisor: int = 1):
     items = cfg.get("normalize") == "items"
 
     def gradients(w: int, params: list[torch.Tensor]):
-        model = Net()
-        with torch.no_grad():
-            for p, value in zip(model.parameters(), params):
-                p.copy_(value)
-        grads, total_items = [], 0
-        for r in range(world):
-            for m in range(N_MICRO):
-                x, y = micro_batch(cfg["seed"], w, r, m, items)
-                loss = model.loss(x, y, r % 2 == 1, reduction="sum" if items else "mean")
-                if loss_divisor != 1:
-                    loss = loss / loss_divisor
-                got = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
-                grads.append([torch.zeros_like(p) if g is None else g for p, g in zip(model.parameters(), got)])
-                total_items += y.numel()
-        divisor = total_items if items else world * N_MICRO // loss_divisor
-        return grads, divisor
+        batches = [(r, *micro_batch(cfg["seed"], w, r, m, items)) for r in range(world) for m in range(N_MICRO)]
+        reduction = "sum" if items else "mean"
+        losses = [
+            lambda model, r=r, x=x, y=y: model.loss(x, y, r % 2 == 1, reduction=reduction) / loss_divisor
+            for r, x, y in batches
+        ]
+        divisor = sum(y.numel() for _, _, y in batches) if items else world * N_MICRO // loss_divisor
+        return gradients_at(Net(), params, losses), divisor
 
     return gradients
 

@@ -11,6 +11,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from helpers import gradients_at
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -97,18 +98,11 @@ def window_gradients(cfg, world):
     items = cfg.get("normalize") == "items"
 
     def gradients(w: int, params: list[torch.Tensor]):
-        model = Net()
-        with torch.no_grad():
-            for p, value in zip(model.parameters(), params):
-                p.copy_(value)
-        grads, total_items = [], 0
-        for r in range(world):
-            for m in range(N_MICRO):
-                x, y = micro_batch(cfg["seed"], w, r, m, items)
-                loss = F.mse_loss(model(x), y, reduction="sum" if items else "mean")
-                grads.append(list(torch.autograd.grad(loss, list(model.parameters()))))
-                total_items += y.numel()
-        return grads, total_items if items else world * N_MICRO
+        batches = [micro_batch(cfg["seed"], w, r, m, items) for r in range(world) for m in range(N_MICRO)]
+        reduction = "sum" if items else "mean"
+        losses = [lambda model, x=x, y=y: F.mse_loss(model(x), y, reduction=reduction) for x, y in batches]
+        divisor = sum(y.numel() for _, y in batches) if items else world * N_MICRO
+        return gradients_at(Net(), params, losses), divisor
 
     return gradients
 

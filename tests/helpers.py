@@ -119,6 +119,19 @@ def rel_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     )
 
 
+def gradients_at(model, params, losses) -> list[list[torch.Tensor]]:
+    """Each of ``losses``' gradients (callables of ``model``) with the model's
+    params set to ``params``; zeros for a param a loss does not use."""
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), params):
+            p.copy_(value)
+    grads = []
+    for loss in losses:
+        got = torch.autograd.grad(loss(model), list(model.parameters()), allow_unused=True)
+        grads.append([torch.zeros_like(p) if g is None else g for p, g in zip(model.parameters(), got)])
+    return grads
+
+
 def _window_gradient(micro_grads, divisor):
     """The exact window gradient (sum of the micro-batch gradients / divisor)
     and the bound on fp32's: n - 1 additions in any order (across ranks too),

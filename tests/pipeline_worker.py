@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from distributed_worker import run_cases
+from helpers import gradients_at
 from torch import nn
 from torch.nn import functional as F
 
@@ -50,16 +51,9 @@ def window_gradients(cfg, dp: int):
     mean over dp ranks)."""
 
     def gradients(w: int, params: list[torch.Tensor]):
-        model = full_model()
-        with torch.no_grad():
-            for p, value in zip(model.parameters(), params):
-                p.copy_(value)
-        grads = []
-        for r in range(dp):
-            x, y = batch(cfg["seed"], w, r)
-            for xm, ym in zip(x.chunk(MICRO), y.chunk(MICRO)):
-                grads.append(list(torch.autograd.grad(F.mse_loss(model(xm), ym), list(model.parameters()))))
-        return grads, MICRO * dp
+        chunks = [(xm, ym) for r in range(dp) for xm, ym in zip(*(t.chunk(MICRO) for t in batch(cfg["seed"], w, r)))]
+        losses = [lambda model, x=x, y=y: F.mse_loss(model(x), y) for x, y in chunks]
+        return gradients_at(full_model(), params, losses), MICRO * dp
 
     return gradients
 
