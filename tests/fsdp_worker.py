@@ -4,6 +4,7 @@ returns a picklable dict; results go to one file per rank."""
 
 from __future__ import annotations
 
+import copy
 import datetime
 import io
 import os
@@ -223,9 +224,14 @@ def dcp_round_trip(cfg, rank, world, mesh):
     """torch.distributed.checkpoint: the optimizer state dict of
     get_optimizer_state_dict, saved with dcp.save and loaded with dcp.load and
     set_optimizer_state_dict into a fresh model and wrapper, at a window
-    boundary (refused mid-window, where it would drop the window's gradients)."""
+    boundary (refused mid-window, where it would drop the window's gradients);
+    with cfg["full_state_dict"], the state gathered whole and handed over."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
 
     options = cfg.get("options", {})
     model, opt = wrapped_model(cfg, mesh, **options)
@@ -245,13 +251,21 @@ def dcp_round_trip(cfg, rank, world, mesh):
         x, y = micro_batch(cfg["seed"], 1, rank, m)
         F.mse_loss(model(x.to(dtype)), y).backward()
         opt.step()
-    folder = os.path.join(cfg["tmp"], "dcp")
-    dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=folder)
     fresh, fresh_opt = wrapped_model(cfg, mesh, **options)
-    state = {"model": fresh.state_dict(), "optim": get_optimizer_state_dict(fresh, fresh_opt)}
-    dcp.load(state, checkpoint_id=folder)
-    fresh.load_state_dict(state["model"])
-    set_optimizer_state_dict(fresh, fresh_opt, state["optim"])
+    if cfg.get("full_state_dict"):  # gathered whole on every rank, handed over in memory
+        full = StateDictOptions(full_state_dict=True)
+        state = copy.deepcopy(
+            {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt, options=full)}
+        )
+        fresh.load_state_dict(state["model"])
+        set_optimizer_state_dict(fresh, fresh_opt, state["optim"], options=full)
+    else:
+        folder = os.path.join(cfg["tmp"], "dcp")  # one per case (main)
+        dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=folder)
+        state = {"model": fresh.state_dict(), "optim": get_optimizer_state_dict(fresh, fresh_opt)}
+        dcp.load(state, checkpoint_id=folder)
+        fresh.load_state_dict(state["model"])
+        set_optimizer_state_dict(fresh, fresh_opt, state["optim"])
     train(cfg, model, opt, rank, windows=[2])
     train(cfg, fresh, fresh_opt, rank, windows=[2])
     same = all(torch.equal(a, b) for a, b in zip(full_params(model), full_params(fresh)))
@@ -373,7 +387,7 @@ def main(rank: int, world: int, init_file: str, out_dir: str, cases: dict) -> No
     mesh = init_device_mesh("cpu", (world,))
     results = {}
     for key, cfg in cases.items():
-        results[key] = SCENARIOS[cfg["scenario"]](dict(cfg, tmp=out_dir), rank, world, mesh)
+        results[key] = SCENARIOS[cfg["scenario"]](dict(cfg, tmp=os.path.join(out_dir, key)), rank, world, mesh)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

@@ -51,6 +51,9 @@ CASES_2 = {
     "dcp-bf16-defaults": dict(scenario="dcp_round_trip", storage="bf16"),
     "dcp-bf16-master": dict(scenario="dcp_round_trip", storage="bf16", options=dict(master_weights=True)),
     "dcp-bf16-remainders": dict(scenario="dcp_round_trip", storage="bf16", options=dict(master_weights="remainders")),
+    "dcp-bf16-master-full": dict(
+        scenario="dcp_round_trip", storage="bf16", options=dict(master_weights=True), full_state_dict=True
+    ),
     "memory": dict(scenario="buffer_bytes"),
     "refusals": dict(scenario="refusals"),
 }
@@ -111,7 +114,9 @@ def test_resume_mid_window_is_bitwise(runs, case):
     assert all(rank[case]["same"] for rank in runs[2])
 
 
-@pytest.mark.parametrize("case", ["dcp", "dcp-8bit", "dcp-bf16-defaults", "dcp-bf16-master", "dcp-bf16-remainders"])
+@pytest.mark.parametrize(
+    "case", ["dcp", "dcp-8bit", "dcp-bf16-defaults", "dcp-bf16-master", "dcp-bf16-remainders", "dcp-bf16-master-full"]
+)
 def test_distributed_checkpoint(runs, case):
     for rank in runs[2]:
         assert rank[case] == {"refused_mid_window": True, "same": True}
