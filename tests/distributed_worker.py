@@ -249,12 +249,14 @@ def framework_loop(cfg, rank, world):
     loss divided by N, torch's clip_grad_norm_ on the model's .grad, then
     step(): with the wrapper's default intake for accum_steps=None ("grad"),
     .grad holds the window's gradient averaged over ranks after the last
-    backward, so the clip sees the global norm."""
+    backward, so the clip sees the global norm. ``cfg["ddp_kwargs"]``: DDP's
+    (gradient_as_bucket_view=True makes .grad views of DDP's buckets when DDP
+    is built: the wrapper takes them back at its first forward)."""
     model = Net()
     opt = ak.AccumulatingOptimizer(
         make_optimizer(cfg["optimizer"], model.parameters()), bucket_cap_mb=BUCKET_MB, backend=cfg["backend"]
     )
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, **cfg.get("ddp_kwargs", {}))
     calls = [0]
     ddp.register_comm_hook(None, _counting_comm_hook(calls))
     norms, trajectory = [], [params_of(model)]

@@ -62,6 +62,9 @@ CASES_2 = {
     ),
     "ddp": dict(scenario="ddp_taken_over", optimizer="adamw"),
     "framework-loop": dict(scenario="framework_loop", optimizer="adamw", clip=0.05),
+    "framework-loop-bucket-views": dict(
+        scenario="framework_loop", optimizer="adamw", clip=0.05, ddp_kwargs=dict(gradient_as_bucket_view=True)
+    ),
     "misuse": dict(scenario="misuse", optimizer="sgd"),
     "dcp": dict(scenario="dcp", optimizer="adamw"),
     "add-group": dict(scenario="add_group", optimizer="adamw"),
@@ -220,18 +223,21 @@ def test_ddp_is_taken_over(runs):
         assert_steps_exact_to_fp32(results[0][order], "ddp", 2)
 
 
-def test_framework_loop_over_ddp(runs):
+@pytest.mark.parametrize("case", ["framework-loop", "framework-loop-bucket-views"])
+def test_framework_loop_over_ddp(runs, case):
     """no_sync() micro-steps, the loss divided by N, torch's clip_grad_norm_ on
     .grad after the last backward: the clipped norm is the global one and each
-    window steps on all ranks' micro-batches (clipping active: norms above 0.05).
+    window steps on all ranks' micro-batches (clipping active: norms above 0.05);
+    DDP with gradient_as_bucket_view=True too (a param only odd ranks use kept
+    DDP's view of a stale copy as .grad on even ranks, which stepped on it).
     The norm logged is of a sum within gamma_{n+2} of the exact one, computed
     in fp32 over the model's 618 elements: within 1e-5 relative."""
-    results = [r["framework-loop"] for r in runs[2]]
+    results = [r[case] for r in runs[2]]
     ours = results[0]
     assert ours["intake"] == "grad"
     assert all(r["ddp_calls"] == 0 for r in results)
     assert same(results[1]["params"], ours["params"])
-    gradients = worker.window_gradients(dict(CASES_2["framework-loop"], seed=WORKER_SEED), 2, worker.N_MICRO)
+    gradients = worker.window_gradients(dict(CASES_2[case], seed=WORKER_SEED), 2, worker.N_MICRO)
     exact_norms = []
     for w, params in enumerate(ours["trajectory"][:-1]):
         grads, divisor = gradients(w, params)
@@ -240,7 +246,7 @@ def test_framework_loop_over_ddp(runs):
     assert min(exact_norms) > 0.05
     for r in results:
         torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(exact_norms), rtol=1e-5, atol=0)
-    assert_steps_exact_to_fp32(ours, "framework-loop", 2, worker.N_MICRO)
+    assert_steps_exact_to_fp32(ours, case, 2, worker.N_MICRO)
 
 
 def test_sharded_equals_allreduce_bitwise_with_mixed_dtypes(runs):

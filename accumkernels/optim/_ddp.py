@@ -30,9 +30,11 @@ def ddp_modules_holding(params) -> list:
     return live_instances(DistributedDataParallel, lambda ddp: any(id(p) in ids for p in ddp.module.parameters()))
 
 
-def take_over_ddp(ddp, window: Window) -> None:
+def take_over_ddp(ddp, window: Window, reclaim=None) -> None:
     """Silence ``ddp``'s communication and record the framework's sync intent
-    in ``window`` at every forward (idempotent)."""
+    in ``window`` at every forward (idempotent). ``reclaim(params)``: given by
+    an intake whose buffers are ``.grad``, which DDP built with
+    gradient_as_bucket_view=True has made views of its own buckets."""
     if getattr(ddp, "_accumkernels_window", None) is not None:
         if ddp._accumkernels_window() is not window:
             raise RuntimeError(
@@ -61,6 +63,10 @@ def take_over_ddp(ddp, window: Window) -> None:
 
     ddp.forward = forward_without_sync
     ddp._accumkernels_window = window_ref
+    if reclaim is not None and getattr(ddp, "gradient_as_bucket_view", False):
+        # Its buckets are never used from here on (it syncs nothing), and it
+        # does not make .grad views again (it rebuilds buckets only when it syncs).
+        reclaim(list(ddp.module.parameters()))
 
 
 class DDPWatch:
@@ -74,6 +80,9 @@ class DDPWatch:
         self._params = params
         self._window = window
         self._seen: set[int] = set()
+        # Set by an intake whose buffers are .grad (take_over_ddp); DDP modules
+        # that exist now made no bucket views of them yet.
+        self.reclaim = None
         for ddp in ddp_modules_holding(params):
             take_over_ddp(ddp, window)
         ref = weakref.ref(self)
@@ -91,7 +100,7 @@ class DDPWatch:
         if not any(id(p) in self._ids for p in module.module.parameters()):
             return
         first = getattr(module, "_accumkernels_window", None) is None
-        take_over_ddp(module, self._window)
+        take_over_ddp(module, self._window, self.reclaim)
         if first:
             # This call already looked up the old forward: silence it by hand and
             # restore the framework's value after it.
@@ -111,7 +120,7 @@ class DDPWatch:
     def end_first_window(self) -> None:
         self._handle.remove()
         for ddp in ddp_modules_holding(self._params):
-            take_over_ddp(ddp, self._window)
+            take_over_ddp(ddp, self._window, self.reclaim)
 
 
 def _watch_forward(ref, module) -> None:

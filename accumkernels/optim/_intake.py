@@ -851,6 +851,24 @@ class GradIntake(Intake):
         # The flat buffer's version counter when the intake last accounted for
         # every write into it, and whether a write it did not make was seen (see _take_written).
         self._account_writes()
+        if self.sync.ddp is not None:
+            self.sync.ddp.reclaim = self.reclaim_grads
+
+    def reclaim_grads(self, params) -> None:
+        """DistributedDataParallel(gradient_as_bucket_view=True) built after the
+        wrapper made ``.grad`` a view of its buckets, holding a copy of the
+        buffer: the buffers become ``.grad`` again. (Left to DDP, a param no
+        backward reached in a window would keep the view, which step() takes
+        as a gradient assigned by hand: it would step on DDP's stale copy.) A
+        ``.grad`` that holds other values was assigned by hand, and stays."""
+        ids = {id(p) for p in params}
+        for r in self.layout:
+            grad = r.param.grad
+            if id(r.param) not in ids or grad is None or grad is r.buffer:
+                continue
+            if grad.dtype == r.buffer.dtype and grad.shape == r.buffer.shape and torch.equal(grad, r.buffer):
+                self.set_grad(r, r.buffer)
+        self._account_writes()
 
     def _window_ends_with_this_backward(self) -> bool:
         if self.accum_steps is not None:
