@@ -318,6 +318,22 @@ def test_fallback_optimizer(backend, name):
     assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), plain.parameters()))
 
 
+def test_fallback_optimizer_on_bf16_params_with_either_intake(backend):
+    """A fallback optimizer over bf16 params is handed the window's gradient
+    as a bf16 .grad: with intake "grad" (.grad otherwise the fp32 buffer,
+    grad_dtype fp32) taking .grad back failed at the first step (torch refuses
+    a grad_dtype change while a bf16 .grad is held). Both intakes step alike."""
+    runs = []
+    for accum_steps in (None, 1):
+        model = mlp(dtype=torch.bfloat16)
+        inner = torch.optim.RMSprop(model.parameters(), lr=1e-3)
+        opt = ak.AccumulatingOptimizer(inner, accum_steps=accum_steps, backend=backend)
+        _train(model, opt, [(x.bfloat16(), y.bfloat16()) for x, y in (data(8) for _ in range(3))])
+        assert opt.intake == ("grad" if accum_steps is None else "hooks")
+        runs.append(list(model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 def _train(model, opt, batches):
     for x, y in batches:
         F.mse_loss(model(x), y).backward()
@@ -367,31 +383,48 @@ def test_resume_mid_window_is_bitwise(backend, precision):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("precision", [*PRECISIONS, "8bit"])
-def test_resume_through_torch_distributed_checkpoint_is_bitwise(backend, tmp_path, precision):
+@pytest.mark.parametrize("accum_steps", [4, None], ids=["accum_steps=4", "loop-counts"])
+@pytest.mark.parametrize("precision", [*PRECISIONS, "8bit", "fallback-rmsprop"])
+def test_resume_through_torch_distributed_checkpoint(backend, tmp_path, precision, accum_steps):
     """torch.distributed.checkpoint on one process (get_state_dict, dcp.save,
     dcp.load into a fresh model's and optimizer's, set_state_dict) at a window
-    boundary: the rest of the run is bitwise the same as without stopping. DCP
-    keeps only 'state' and 'param_groups': the master weights (or remainders)
-    ride in each param's state, the rounding seed and window count in group 0
-    (without them: masters rounded to bf16, remainders lost, another stream).
-    The dict DCP produced loads into torch's AdamW, which steps with it."""
+    boundary loads the state whole: the moments (8-bit codes and scales
+    included) and the master weights or remainders, which ride in each
+    param's state as DCP keeps only 'state' and 'param_groups' (before, the
+    masters came back rounded to bf16 and the remainders as zeros). Where
+    nothing rounds stochastically the rest of the run is bitwise the same as
+    without stopping; a stochastic-rounding stream starts anew (not carried:
+    a key torch's checkpoints lack would make them fail to load). Both
+    intakes: DCP creates a missing state only where every .grad is None,
+    which intake "grad" never leaves (its template was empty, and nothing of
+    the state loaded); a fallback optimizer (RMSprop) too (DCP's step that
+    creates it did nothing there)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     batches = [(x.bfloat16(), y.bfloat16()) for x, y in (data(16) for _ in range(16))]
-    options = dict(state_dtype="8bit") if precision == "8bit" else PRECISIONS[precision]
+    options = {**PRECISIONS, "8bit": dict(state_dtype="8bit"), "fallback-rmsprop": {}}[precision]
 
     def make(seed):
-        torch.manual_seed(seed)  # the fresh run's own init and rounding seed: both replaced by the checkpoint's
+        torch.manual_seed(seed)  # the fresh run's own init: replaced by the checkpoint's
         model = nn.Sequential(nn.Linear(12, 300), nn.GELU(), nn.Linear(300, 3)).bfloat16()
-        inner = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS)
-        return model, ak.AccumulatingOptimizer(inner, accum_steps=4, backend=backend, **options)
+        if precision == "fallback-rmsprop":
+            inner = torch.optim.RMSprop(model.parameters(), lr=1e-3, eps=ADAM_EPS)
+        else:
+            inner = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS)
+        return model, ak.AccumulatingOptimizer(inner, accum_steps=accum_steps, backend=backend, seed=7, **options)
+
+    def held(opt):  # the state and master weights, by param position
+        return [
+            ({k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[r.param].items()}, r.master)
+            for r in opt._layout
+        ]
 
     straight, straight_opt = make(0)
     _train(straight, straight_opt, batches)
     first, first_opt = make(0)
     _train(first, first_opt, batches[:8])
+    saved = copy.deepcopy(held(first_opt))
     model_state, optim_state = get_state_dict(first, first_opt)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp_path)
     resumed, resumed_opt = make(1)
@@ -399,16 +432,46 @@ def test_resume_through_torch_distributed_checkpoint_is_bitwise(backend, tmp_pat
     loaded = {"model": model_state, "optim": optim_state}
     dcp.load(loaded, checkpoint_id=tmp_path)
     set_state_dict(resumed, resumed_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    assert all(state for state, _ in saved)
+    for (state, master), (want, want_master) in zip(held(resumed_opt), saved):
+        assert set(state) == set(want)  # the carried masters are taken out of the state
+        for key, value in want.items():  # the same values in the same dtypes
+            assert torch.as_tensor(state[key]).dtype == torch.as_tensor(value).dtype, key
+            assert torch.equal(torch.as_tensor(state[key]), torch.as_tensor(value)), key
+        assert (master is None) == (want_master is None) and (master is None or torch.equal(master, want_master))
     _train(resumed, resumed_opt, batches[8:])
-    for a, b in zip(straight.parameters(), resumed.parameters()):
-        assert torch.equal(a, b)
-    assert not any(key.startswith("accumkernels") for group in resumed_opt.param_groups for key in group)
-    assert not any(key.startswith("accumkernels") for state in resumed_opt.state.values() for key in state)
-    if precision != "8bit":  # 8-bit codes go to torch through dequantized_state_dict
-        first_opt.close()  # gives the params back
-        plain = torch.optim.AdamW(first.parameters(), lr=1e-2, eps=ADAM_EPS)
-        set_state_dict(first, plain, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
-        _train(first, plain, batches[8:9])
+    if precision in ("master_weights", "remainders", "nearest-fp32-state", "fallback-rmsprop"):
+        for a, b in zip(straight.parameters(), resumed.parameters()):
+            assert torch.equal(a, b)
+
+
+def test_a_torch_checkpoint_loads_through_dcp():
+    """A torch.optim.AdamW checkpoint saved with torch.distributed.checkpoint
+    loads into ours with DCP's default (strict) planner: the template of our
+    defaults has no key it lacks. (With master weights, whose entries it
+    lacks, dcp.load needs DefaultLoadPlanner(allow_partial_load=True);
+    docs/distributed.md.)"""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model = mlp(dtype=torch.bfloat16)
+    plain = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS)
+    _train(model, plain, [(x.bfloat16(), y.bfloat16()) for x, y in (data(8) for _ in range(2))])
+    with tempfile.TemporaryDirectory() as folder:
+        model_state, optim_state = get_state_dict(model, plain)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder)
+        fresh = mlp(dtype=torch.bfloat16)
+        ours = ak.AdamW(fresh.parameters(), lr=1e-2, eps=ADAM_EPS)
+        model_state, optim_state = get_state_dict(fresh, ours)
+        loaded = {"model": model_state, "optim": optim_state}
+        dcp.load(loaded, checkpoint_id=folder)
+        set_state_dict(fresh, ours, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(p, q)
+        assert float(ours.state[q]["step"]) == 2
+        torch.testing.assert_close(ours.state[q]["exp_avg"], plain.state[p]["exp_avg"].bfloat16())
 
 
 def test_default_precision_follows_the_param_dtype(backend):

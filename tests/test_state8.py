@@ -375,7 +375,7 @@ def test_dequantized_state_dict_loads_into_torch_adamw_and_back():
     # a plain checkpoint loads into the 8-bit optimizer: encoded (to nearest) at its first step
     again = _wrapped(copy.deepcopy(model))
     again.load_state_dict(plain.state_dict())
-    again._updater.init_state()
+    again._updater.init_state(again._intake)
     entry = again.optimizer.state[again.optimizer.param_groups[0]["params"][0]]
     assert "exp_avg" not in entry and entry["exp_avg_codes"].dtype == torch.uint8
     back = s8.decode_exp_avg(entry["exp_avg_codes"], entry["exp_avg_scales"])
@@ -390,7 +390,7 @@ def test_an_8bit_checkpoint_loads_into_an_fp32_state_wrapper():
     sd = opt.state_dict()
     other = _wrapped(copy.deepcopy(model), state_dtype=torch.float32)
     other.load_state_dict(sd)
-    other._updater.init_state()
+    other._updater.init_state(other._intake)
     p0 = other.optimizer.param_groups[0]["params"][0]
     entry = other.optimizer.state[p0]
     expected = s8.decode_exp_avg(sd["state"][0]["exp_avg_codes"], sd["state"][0]["exp_avg_scales"])

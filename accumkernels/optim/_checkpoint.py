@@ -185,7 +185,10 @@ def load_state_in_its_dtype(wrapper, state_dict: dict) -> None:
     params): take the checkpoint's own values instead, in each param's state
     dtype (exact where the checkpoint was saved in it). 8-bit codes and scales
     are taken as they are; a state of another kind than the wrapper's is
-    converted at its first step (accumkernels.optim._update)."""
+    converted at its first step (accumkernels.optim._update). A fallback
+    optimizer steps its state itself: it keeps what it loaded, as torch's."""
+    if optimizer_kind(wrapper.optimizer) == "fallback":
+        return
     for saved_id, r in _params_in_saved_order(wrapper, state_dict):
         for key, value in state_dict["state"].get(saved_id, {}).items():
             if not torch.is_tensor(value) or key == "step":
@@ -227,7 +230,6 @@ def dcp_initializing_state() -> bool:
 
 
 MASTER_KEY = "accumkernels_master"  # in a param's state: its master weights (fp32) or remainders (int16)
-WINDOW_KEY = "accumkernels_window"  # in param group 0: the run's stochastic-rounding seed and window count
 
 
 def dcp_saving() -> bool:
@@ -238,31 +240,31 @@ def dcp_saving() -> bool:
 
 def carried_through_dcp(wrapper, sd: dict) -> dict:
     """``sd`` (state_dict() at a window boundary, the only place DCP may save)
-    with what DCP would drop of its in-window entry moved into what DCP keeps:
-    each param's master weights into its state (a DTensor sharded like the
-    param on FSDP2), the stochastic-rounding seed and window count into param
-    group 0. Nothing else of that entry holds anything at a boundary. Params
-    without state (never stepped) have masters equal to the params."""
-    groups = [dict(g) for g in sd["param_groups"]]
-    groups[0][WINDOW_KEY] = {"seed": wrapper._window.seed, "windows": wrapper._window.windows}
+    with each param's master weights (fp32, or remainders) in its state, where
+    DCP, which keeps only 'state' and 'param_groups', keeps them too (a
+    DTensor sharded like the param on FSDP2). Params without state (never
+    stepped) have masters equal to the params. Of the in-window entry nothing
+    else holds anything at a boundary but the stochastic-rounding seed and
+    window count, which are not carried: DCP loads only the keys its template
+    (the new optimizer's state dict) has, so a key there that a checkpoint of
+    torch.optim lacks makes that checkpoint fail to load; masters are worth
+    that (without them a resumed run loses their precision), a rounding
+    stream that starts anew is not (it is as unbiased)."""
     state = dict(sd["state"])
-    saved_ids = chain.from_iterable(g["params"] for g in groups)
+    saved_ids = chain.from_iterable(g["params"] for g in sd["param_groups"])
     for saved_id, p in zip(saved_ids, chain.from_iterable(g["params"] for g in wrapper.param_groups)):
         r = wrapper._layout.record(p)
         if r.master is not None and saved_id in state:
             master = r.master.clone()
             master = shard_like(master, r.param) if hasattr(r.param, "device_mesh") else master
             state[saved_id] = {**state[saved_id], MASTER_KEY: master}
-    return {**sd, "state": state, "param_groups": groups}
+    return {**sd, "state": state}
 
 
-def _take_carried(wrapper, state_dict: dict) -> tuple[dict, dict, dict | None]:
-    """``state_dict`` without what carried_through_dcp put in it (the wrapped
-    optimizer never holds it), the master weights it carried (by param index,
-    this rank's elements) and the window's seed and count (or None)."""
-    groups = [dict(g) for g in state_dict["param_groups"]]
-    windows = [g.pop(WINDOW_KEY) for g in groups if WINDOW_KEY in g]
-    state_dict = {**state_dict, "param_groups": groups}
+def _take_carried(wrapper, state_dict: dict) -> tuple[dict, dict]:
+    """``state_dict`` without the masters carried_through_dcp put in it (the
+    wrapped optimizer never holds them), and those masters (by param index,
+    this rank's elements)."""
     pairs = dict(_params_in_saved_order(wrapper, state_dict))
     state, masters = {}, {}
     for saved_id, entries in state_dict["state"].items():
@@ -270,7 +272,7 @@ def _take_carried(wrapper, state_dict: dict) -> tuple[dict, dict, dict | None]:
             entries = dict(entries)
             masters[pairs[saved_id].index] = local_tensor(entries.pop(MASTER_KEY))
         state[saved_id] = entries
-    return {**state_dict, "state": state}, masters, windows[0] if windows else None
+    return {**state_dict, "state": state}, masters
 
 
 def refuse_dcp(wrapper) -> None:
@@ -301,7 +303,7 @@ def load(wrapper, state_dict: dict) -> None:
     extra = state_dict.pop("accumkernels", None)
     if not isinstance(state_dict.get("param_groups"), list) or "state" not in state_dict:
         raise ValueError("not an optimizer state dict: it needs 'state' and 'param_groups'")
-    state_dict, carried, window = _take_carried(wrapper, state_dict)  # saved through DCP
+    state_dict, carried = _take_carried(wrapper, state_dict)  # saved through DCP
     check_loadable(wrapper, state_dict, extra)
     check_masters(wrapper, carried, every=False)
     wrapper.optimizer.load_state_dict(state_dict)
@@ -309,8 +311,6 @@ def load(wrapper, state_dict: dict) -> None:
     wrapper._window.clear()
     if extra is not None:
         wrapper._window.load_state_dict(extra)
-    elif window is not None:
-        wrapper._window.seed, wrapper._window.windows = window["seed"], window["windows"]
     # None: saved at a window boundary, or a plain optimizer's checkpoint: the window starts empty, its buffers too
     wrapper._intake.restore_sums(None if extra is None else extra["flat_buffer"])
     masters = carried if extra is None else extra["master_weights"]

@@ -1000,6 +1000,7 @@ class GradIntake(Intake):
         optimizer's input) or back to the fp32 view."""
         if grad is None or grad is r.buffer:
             if r.index in self._grad_dtypes:
+                r.param.grad = None  # (torch refuses a grad_dtype other than the dtype of the .grad held)
                 r.param.grad_dtype = torch.float32
             r.param.grad = r.buffer
         else:

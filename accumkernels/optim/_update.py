@@ -184,12 +184,17 @@ class Updater:
         for r in _fp32_mastered(records):
             self._written[r.index] = _write_mark(r)
 
-    def init_state(self) -> None:
+    def init_state(self, intake) -> None:
         """Create the state of every param this rank steps (zeros, step 0), as a
-        first step would, without stepping."""
+        first step would, without stepping; a fallback optimizer takes one
+        step of lr 0 on zero gradients (what torch.distributed.checkpoint
+        does to create a plain optimizer's state)."""
+        if self.kind == "fallback":
+            self._init_fallback_state(intake)
+            return
         for group in self.optimizer.param_groups:
             for r in (self.layout.record(p) for p in group["params"]):
-                if not r.stepped_here or self.kind == "fallback":
+                if not r.stepped_here:
                     continue
                 for key in state_keys(self.kind, group):
                     if r.precision.state_dtype == "8bit":
@@ -415,6 +420,22 @@ class Updater:
             **self._common(group, subset, grad_scale, found_inf, seed, zero_buffers),
         )
         _write_back(views, stepped)
+
+    def _init_fallback_state(self, intake) -> None:
+        groups = self.optimizer.param_groups
+        lrs = [group["lr"] for group in groups]
+        records = [r for r in self.layout if r.param.requires_grad]
+        try:
+            for group in groups:
+                group["lr"] = 0.0 * group["lr"]  # (a tensor lr stays a tensor)
+            for r in records:
+                intake.set_grad(r, torch.zeros_like(r.param))
+            self.optimizer.step()
+        finally:
+            for group, lr in zip(groups, lrs):
+                group["lr"] = lr
+            for r in records:
+                intake.set_grad(r, None)
 
     def _fallback(self, records, grad_scale, found_inf, intake) -> None:
         """Any other optimizer: hand it the window's gradient as .grad and let it

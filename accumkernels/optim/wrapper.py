@@ -403,7 +403,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         """
         # DCP steps an optimizer only to create its state, so only while it has none.
         if not self.optimizer.state and _checkpoint.dcp_initializing_state():
-            self._updater.init_state()
+            self._updater.init_state(self._intake)
             return None
         if self.accum_steps is not None and not self._caller_checked:
             # Before the closure: a framework's closure clips .grad, which intake "hooks" refuses less helpfully.
@@ -507,8 +507,14 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         self._intake.flush()
+        dcp = _checkpoint.dcp_saving()
+        if dcp and not self.optimizer.state:
+            # DCP creates a plain optimizer's state before it saves or loads
+            # (its template must hold the keys it loads), but only where every
+            # .grad is None: with intake "grad" .grad is the buffer, never None.
+            self._updater.init_state(self._intake)
         sd = self.optimizer.state_dict()
-        if _checkpoint.dcp_saving():  # DCP keeps only 'state' and 'param_groups'
+        if dcp:  # DCP keeps only 'state' and 'param_groups'
             sd = _checkpoint.carried_through_dcp(self, sd)
         sd["accumkernels"] = self._window_entry()
         for post_hook in self._optimizer_state_dict_post_hooks.values():
