@@ -360,6 +360,31 @@ def misuse(cfg, rank, world):
     return {"errors": errors, "micro_steps": opt.micro_steps}
 
 
+def ddp_join(cfg, rank, world):
+    """DDP.join() (uneven inputs) with the wrapper built after DDP and before
+    it: refused at the first forward inside it, on every rank alike, before
+    any collective (the wrapper's reductions have no shadow there)."""
+    errors = {}
+    for order in ("ddp-first", "optimizer-first"):
+        model = Net()
+        if order == "ddp-first":
+            ddp = torch.nn.parallel.DistributedDataParallel(model)
+            opt = wrapped(cfg, model)
+        else:
+            opt = wrapped(cfg, model)
+            ddp = torch.nn.parallel.DistributedDataParallel(model)
+        try:
+            with ddp.join():
+                x, y = micro_batch(cfg["seed"], 0, rank, 0, False)
+                F.mse_loss(ddp(x, rank % 2 == 1).float(), y).backward()
+                opt.step()
+            errors[order] = None
+        except RuntimeError as e:
+            errors[order] = str(e)
+        opt.close()
+    return errors
+
+
 def dcp(cfg, rank, world):
     """torch.distributed.checkpoint's get/set_optimizer_state_dict at a window
     boundary: in all-reduce mode (bf16 params, fp32 masters) a fresh wrapper
@@ -427,6 +452,7 @@ SCENARIOS = {
     "framework_loop": framework_loop,
     "misuse": misuse,
     "dcp": dcp,
+    "ddp_join": ddp_join,
     "add_group": add_group,
     "modes_agree": modes_agree,
 }

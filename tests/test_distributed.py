@@ -67,6 +67,7 @@ CASES_2 = {
     ),
     "misuse": dict(scenario="misuse", optimizer="sgd"),
     "dcp": dict(scenario="dcp", optimizer="adamw"),
+    "ddp-join": dict(scenario="ddp_join", optimizer="sgd"),
     "add-group": dict(scenario="add_group", optimizer="adamw"),
     "modes-agree": dict(scenario="modes_agree", optimizer="adamw"),
 }
@@ -266,6 +267,12 @@ def test_misuse_during_the_reduction_is_refused(runs):
         assert "cross-rank reduction has already started" in errors["second_backward"]
         assert "got 2 gradients since the last step()" in errors["step"]
         assert r["misuse"]["micro_steps"] == worker.N_MICRO - 1  # nothing stepped
+
+
+def test_ddp_join_is_refused_on_every_rank(runs):
+    for r in runs[2]:
+        for order, error in r["ddp-join"].items():
+            assert error is not None and "DistributedDataParallel.join()" in error, (order, error)
 
 
 def test_distributed_checkpoint(runs):

@@ -30,6 +30,19 @@ def ddp_modules_holding(params) -> list:
     return live_instances(DistributedDataParallel, lambda ddp: any(id(p) in ids for p in ddp.module.parameters()))
 
 
+def refuse_join(ddp) -> None:
+    """At a forward inside ``ddp.join()``, before any collective, so that every
+    rank raises this rather than a gloo or NCCL abort."""
+    join = getattr(ddp, "_join_config", None)
+    if join is not None and join.enable:
+        raise RuntimeError(
+            "DistributedDataParallel.join() (uneven inputs across ranks) does not work with AccumulatingOptimizer: "
+            "the wrapper reduces the buckets itself, once per window, and a rank that ran out of data has no shadow "
+            "for those collectives. Give every rank the same number of micro-batches (e.g. "
+            "DistributedSampler(drop_last=True)) and drop the join() context"
+        )
+
+
 def take_over_ddp(ddp, window: Window, reclaim=None) -> None:
     """Silence ``ddp``'s communication and record the framework's sync intent
     in ``window`` at every forward (idempotent). ``reclaim(params)``: given by
@@ -50,6 +63,7 @@ def take_over_ddp(ddp, window: Window, reclaim=None) -> None:
     window_ref = weakref.ref(window)
 
     def forward_without_sync(*args, **kwargs):
+        refuse_join(ddp)
         intent = ddp.require_backward_grad_sync
         ddp.require_backward_grad_sync = False
         try:
@@ -102,6 +116,7 @@ class DDPWatch:
         first = getattr(module, "_accumkernels_window", None) is None
         take_over_ddp(module, self._window, self.reclaim)
         if first:
+            refuse_join(module)
             # This call already looked up the old forward: silence it by hand and
             # restore the framework's value after it.
             intent = module.require_backward_grad_sync
