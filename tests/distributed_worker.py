@@ -215,6 +215,16 @@ def _counting_comm_hook(calls: list):
     return hook
 
 
+def ddp_and_wrapper(cfg, model, order: str):
+    """DDP over ``model`` and the wrapper over its params, built in ``order``:
+    "ddp-first", or "optimizer-first" (as Accelerate and HF Trainer do)."""
+    if order == "ddp-first":
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        return ddp, wrapped(cfg, model)
+    opt = wrapped(cfg, model)
+    return torch.nn.parallel.DistributedDataParallel(model), opt
+
+
 def ddp_taken_over(cfg, rank, world):
     """A DistributedDataParallel model in the wrapper's own loop, wrapped in
     DDP before the optimizer or after it (as Accelerate does): the wrapper
@@ -224,12 +234,7 @@ def ddp_taken_over(cfg, rank, world):
     for order in ("ddp-first", "optimizer-first"):
         model = Net()
         trajectory = [params_of(model)]
-        if order == "ddp-first":
-            ddp = torch.nn.parallel.DistributedDataParallel(model)
-            opt = wrapped(cfg, model)
-        else:
-            opt = wrapped(cfg, model)
-            ddp = torch.nn.parallel.DistributedDataParallel(model)
+        ddp, opt = ddp_and_wrapper(cfg, model, order)
         calls = [0]
         ddp.register_comm_hook(None, _counting_comm_hook(calls))
         for w in range(WINDOWS):
@@ -367,12 +372,7 @@ def ddp_join(cfg, rank, world):
     errors = {}
     for order in ("ddp-first", "optimizer-first"):
         model = Net()
-        if order == "ddp-first":
-            ddp = torch.nn.parallel.DistributedDataParallel(model)
-            opt = wrapped(cfg, model)
-        else:
-            opt = wrapped(cfg, model)
-            ddp = torch.nn.parallel.DistributedDataParallel(model)
+        ddp, opt = ddp_and_wrapper(cfg, model, order)
         try:
             with ddp.join():
                 x, y = micro_batch(cfg["seed"], 0, rank, 0, False)

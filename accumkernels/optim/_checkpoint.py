@@ -276,13 +276,12 @@ def _take_carried(wrapper, state_dict: dict) -> tuple[dict, dict]:
 
 
 def refuse_dcp(wrapper) -> None:
-    """get_optimizer_state_dict keeps the optimizer state but not the wrapper's
-    in-window entry: refused while a window holds gradients. With
-    sharded=True (ZeRO-1) each rank's state is a plain tensor of its own
-    shard, which DCP would save once for all ranks: refused."""
+    """Called when get_optimizer_state_dict saves (dcp_saving). It keeps the
+    optimizer state but not the wrapper's in-window entry: refused while a
+    window holds gradients. With sharded=True (ZeRO-1) each rank's state is a
+    plain tensor of its own shard, which DCP would save once for all ranks:
+    refused."""
     window = wrapper._window
-    if not dcp_saving():
-        return
     if window.micro_steps or window.touched:
         raise RuntimeError(
             "torch.distributed.checkpoint's get_optimizer_state_dict would drop the gradients of the window in "
@@ -301,9 +300,7 @@ def load(wrapper, state_dict: dict) -> None:
     """AccumulatingOptimizer.load_state_dict: everything checked, then written."""
     state_dict = dict(state_dict)
     extra = state_dict.pop("accumkernels", None)
-    if not isinstance(state_dict.get("param_groups"), list) or "state" not in state_dict:
-        raise ValueError("not an optimizer state dict: it needs 'state' and 'param_groups'")
-    state_dict, carried = _take_carried(wrapper, state_dict)  # saved through DCP
+    state_dict, carried = _take_carried(wrapper, state_dict)  # saved through DCP (checks it pairs with ours)
     check_loadable(wrapper, state_dict, extra)
     check_masters(wrapper, carried, every=False)
     wrapper.optimizer.load_state_dict(state_dict)

@@ -503,11 +503,11 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         flags, master weights, seed. Per rank in distributed runs. The hooks
         registered on the wrapper run as torch.optim runs them: the pre-hooks
         first, then the post-hooks, whose non-None return replaces the dict."""
-        self._refuse_saving("state_dict()")
+        dcp = _checkpoint.dcp_saving()  # (a walk up the stack: once)
+        self._refuse_saving("state_dict()", dcp)
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         self._intake.flush()
-        dcp = _checkpoint.dcp_saving()
         if dcp and not self.optimizer.state:
             # DCP creates a plain optimizer's state before it saves or loads
             # (its template must hold the keys it loads), but only where every
@@ -523,10 +523,12 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 sd = result
         return sd
 
-    def _refuse_saving(self, what: str) -> None:
-        """Refuses to save while a reduction is in flight, or into DCP what it would save wrong."""
+    def _refuse_saving(self, what: str, dcp: bool) -> None:
+        """Refuses to save while a reduction is in flight, or (``dcp``: for
+        torch.distributed.checkpoint) what DCP would save wrong."""
         self._refuse_during_reduction(what)
-        _checkpoint.refuse_dcp(self)
+        if dcp:
+            _checkpoint.refuse_dcp(self)
 
     def _window_entry(self) -> dict[str, Any]:
         """state_dict()'s ``"accumkernels"`` entry (the intake flushed)."""
@@ -573,7 +575,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             )
         # The window's entry without the state-dict hooks registered on this
         # wrapper: a copy runs none and keeps none, as torch.optim's.
-        self._refuse_saving("copying")
+        self._refuse_saving("copying", _checkpoint.dcp_saving())
         self._intake.flush()
         return {"optimizer": self.optimizer, "arguments": self._arguments, "window": self._window_entry()}
 
