@@ -264,8 +264,10 @@ def sgd_step_and_zero_(
 ) -> None:
     """One torch.optim.SGD step from fp32 gradient buffers, then clear them, in one pass.
 
-    Per element, with ``w`` the weight (``master_params`` if given, else the
-    param in fp32)::
+    Per element, with ``w`` the weight (else the param in fp32; with fp32
+    ``master_params``, the master where the param holds it rounded to the
+    param's dtype, else the param: a param written since the last step,
+    through ``p.data`` too, is stepped from as it is)::
 
         g = grad_scale * buffer            (-grad_scale * buffer if maximize)
         g = g + weight_decay * w           (if weight_decay != 0)
@@ -378,8 +380,11 @@ def sgd_step_and_zero_(
 
 _ADAM_DOC = """One torch.optim.{cls} step from fp32 gradient buffers, then clear them, in one pass.
 
-    Per element, with ``w`` the weight (``master_params`` if given, else the
-    param in fp32) and ``t`` the param's step count after this step
+    Per element, with ``w`` the weight (else the param in fp32; with fp32
+    ``master_params``, the master where the param holds it rounded to the
+    param's dtype, else the param: a param written since the last step,
+    through ``p.data`` too, is stepped from as it is) and ``t`` the param's
+    step count after this step
     (``state_steps[i]`` is incremented in place)::
 
         g = grad_scale * buffer            (-grad_scale * buffer if maximize)

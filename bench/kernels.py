@@ -11,6 +11,8 @@ Bytes model (per element, what the pass must move at least):
                                            (the defaults for bf16 params; 28 with fp32 state)
   ... + int16 remainders, fp32 state  32 = 28 + read and write the remainder (2 + 2)
   ... + fp32 master weights           36 = 28 + read and write the master (4 + 4)
+                                           (28's read of p: the step starts from a
+                                           param written since, master_or_param)
   torch AdamW, bf16 params and .grad  16 = read p, g, m, v (8) + write p, m, v, g=0 (8)
   SGD step, fp32 params, no momentum  16 = read p, g (8) + write p, g=0 (8)
 The torch baselines are charged the same model (their extra passes show up as

@@ -831,6 +831,44 @@ def test_master_weights_follow_weights_loaded_into_the_model(how):
     assert not torch.equal(followed[0].weight, untouched[0].weight)
 
 
+@pytest.mark.parametrize("write", ["clamp", "copy"])
+def test_master_weights_follow_writes_through_data(write):
+    """A write through ``p.data`` (WGAN's weight clipping ``p.data.clamp_``,
+    ``p.data.copy_(w)``) bumps no version counter, so only the step sees it:
+    element by element, where the param no longer is its master rounded, the
+    step starts from the param (master_or_param), as torch.optim steps from
+    the param as it is. Reference: the same write made on a checkpoint (the
+    masters set to the written params where these changed) and loaded
+    beside the written model into a fresh optimizer."""
+    start = mlp(dtype=torch.bfloat16).state_dict()
+
+    def written(model):
+        before = [p.detach().clone() for p in model.parameters()]
+        for p, w in zip(model.parameters(), start.values()):
+            if write == "clamp":
+                p.data.clamp_(-0.1, 0.1)
+            else:
+                p.data.copy_(w)
+        return [p.detach() != b for p, b in zip(model.parameters(), before)]
+
+    def rebuild(model, opt):
+        saved = copy.deepcopy(opt.state_dict())
+        masters = saved["accumkernels"]["master_weights"].values()
+        for changed, p, master in zip(written(model), model.parameters(), masters):
+            master[changed] = p.detach()[changed].float()
+        fresh = mlp(dtype=torch.bfloat16)
+        fresh.load_state_dict(model.state_dict())
+        fresh_opt = ak.AdamW(fresh.parameters(), lr=1e-2, weight_decay=0.1, master_weights=True)
+        fresh_opt.load_state_dict(saved)
+        return fresh, fresh_opt
+
+    followed, _ = _master_weights_run(lambda model, opt: written(model) and None)
+    reference, _ = _master_weights_run(rebuild)
+    assert all(torch.equal(a, b) for a, b in zip(followed.parameters(), reference.parameters()))
+    untouched, _ = _master_weights_run()
+    assert not torch.equal(followed[0].weight, untouched[0].weight)
+
+
 @pytest.mark.parametrize("model_first", [True, False])
 def test_master_weights_of_a_checkpoint_stay_whichever_is_loaded_first(model_first):
     """Resuming loads the model's weights and the optimizer's checkpoint (its

@@ -28,14 +28,26 @@ def _f32(x: float) -> float:
 
 
 def _make_params(dtype, with_master, sizes):
+    """Random params of ``dtype``; with masters, the params are the masters
+    rounded to nearest, except every 7th element, written since (as through
+    ``p.data``): the step starts there from the param (master_or_param)."""
     weights = [randn(n, torch.float32, offset=i % 2) for i, n in enumerate(sizes)]
-    params = [w.to(dtype) for w in weights]
-    masters = [p.float() + randn(p.numel(), torch.float32) * 1e-3 for p in params] if with_master else None
+    if not with_master:
+        return [w.to(dtype) for w in weights], None
+    masters = [w + randn(w.numel(), torch.float32) * 1e-3 for w in weights]
+    params = [m.to(dtype) for m in masters]
+    for p in params:
+        p[::7] *= -0.5  # exact in the param's dtype, and no longer the rounded master
     return params, masters
 
 
 def _weights64(params, masters, i):
-    return (masters[i] if masters else params[i]).double()
+    """The weights a step starts from (float64): the master where its param
+    holds it rounded, else the param."""
+    if not masters:
+        return params[i].double()
+    held = masters[i].to(params[i].dtype) == params[i]
+    return torch.where(held, masters[i], params[i].float()).double()
 
 
 def _check_weights(params, masters, i, expected64, magnitude64):

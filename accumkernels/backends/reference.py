@@ -62,13 +62,21 @@ _M32 = 0xFFFFFFFF
 
 
 def _weights(param, master):
-    """The fp32 weights: the master copy, the bf16 param joined with its int16
-    remainder, or the param."""
+    """The fp32 weights: the master copy (master_or_param), the bf16 param
+    joined with its int16 remainder, or the param."""
     if master is None:
         return param.float()
     if master.dtype == torch.int16:
         return join_remainder(param, master)
-    return master
+    return master_or_param(master, param)
+
+
+def master_or_param(master: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """formulas.h's master_or_param: the fp32 master where the param holds its
+    bits rounded to the param's dtype, else the param's value (a write through
+    ``p.data``, which only the step can see)."""
+    held = master.to(param.dtype).view(torch.int16) == param.view(torch.int16)
+    return torch.where(held, master, param.float())
 
 
 def _as_int16(bits: torch.Tensor) -> torch.Tensor:
@@ -151,7 +159,7 @@ def _store_weights(param, master, new, skip, sr=None) -> None:
         _commit(param, rounded, skip)
     elif master is not None:
         _commit(master, new, skip)
-        _commit(param, master, None)
+        _commit(param, new, skip)
     elif sr is not None and param.dtype == torch.bfloat16:
         random = sr_random(sr[0], sr[1], memory_order_index(param))
         _commit(param, float_to_bf16_stochastic(new.float(), random), skip)

@@ -167,9 +167,11 @@ class Updater:
         ``copy_`` under no_grad, ``.data`` replaced): torch.optim steps from the
         param as it is, so where the param is no longer what its master rounds
         to, the master becomes the param's value. Only params whose version
-        counter or storage moved are compared (one host sync for all). (A
-        ``p.data.copy_`` bumps no counter and is not seen.) Remainders need no
-        following: the param holds the master's high bits itself."""
+        counter or storage moved are compared (one host sync for all). A write
+        through ``p.data`` bumps no counter: the step sees it element by
+        element (formulas.h's master_or_param starts from the param where it
+        no longer holds its master rounded). Remainders need no following: the
+        param holds the master's high bits itself."""
         moved = [r for r in _fp32_mastered(records) if self._written.get(r.index) != _write_mark(r)]
         if not moved:
             return

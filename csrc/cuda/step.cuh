@@ -91,20 +91,20 @@ __device__ __forceinline__ bool aligned_for_packs(const State<S, kSlot>& st) {
 template <int N, Dtype P, WeightsKind K>
 __device__ __forceinline__ void load_weights(const Weights<P, K>& w, float (&out)[N], int64_t i) {
   using T = typename Storage<P>::type;
+  T p[N];
+  load_pack<N>(p, w.param, i);
   if constexpr (K == WeightsKind::kMaster) {
     load_pack<N>(out, w.masters(), i);
+#pragma unroll
+    for (int k = 0; k < N; ++k) out[k] = master_or_param<P>(out[k], p[k]);
+  } else if constexpr (K == WeightsKind::kRemainder) {
+    uint16_t r[N];
+    load_pack<N>(r, w.remainders(), i);
+#pragma unroll
+    for (int k = 0; k < N; ++k) out[k] = join_remainder(p[k], r[k]);
   } else {
-    T p[N];
-    load_pack<N>(p, w.param, i);
-    if constexpr (K == WeightsKind::kRemainder) {
-      uint16_t r[N];
-      load_pack<N>(r, w.remainders(), i);
 #pragma unroll
-      for (int k = 0; k < N; ++k) out[k] = join_remainder(p[k], r[k]);
-    } else {
-#pragma unroll
-      for (int k = 0; k < N; ++k) out[k] = Storage<P>::load(p[k]);
-    }
+    for (int k = 0; k < N; ++k) out[k] = Storage<P>::load(p[k]);
   }
 }
 

@@ -167,6 +167,21 @@ def to_storage(x, dtype: tl.constexpr):
         return x.to(dtype)
 
 
+@triton.jit
+def master_or_param(master, param, dtype: tl.constexpr):
+    """formulas.h's master_or_param: the fp32 master where the param (its
+    storage values: bf16 as uint16 bits) holds its bits rounded to ``dtype``,
+    else the param's value (a write through ``p.data``)."""
+    held = to_storage(master, dtype)
+    if dtype == tl.bfloat16:
+        same = held == param
+        value = (param.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        same = held.to(tl.uint16, bitcast=True) == param.to(tl.uint16, bitcast=True)
+        value = param.to(tl.float32)
+    return tl.where(same, master, value)
+
+
 # ---- the step families (SGD, Adam/AdamW) --------------------------------------
 
 
@@ -252,7 +267,12 @@ def scalar_arguments(grad_scale_tensor, found_inf, device: torch.device) -> tupl
 def load_weight(param, master, offs, mask, PARAM_DTYPE: tl.constexpr, MASTER_KIND: tl.constexpr, MASKED: tl.constexpr):
     """The fp32 weight: the master copy, the param joined with its remainder, or the param."""
     if MASTER_KIND == FP32_MASTER:
-        return load_f32(master, offs, mask, tl.float32, MASKED)
+        m = load_f32(master, offs, mask, tl.float32, MASKED)
+        if MASKED:
+            p = tl.load(param + offs, mask=mask, other=0)
+        else:
+            p = tl.load(param + offs)
+        return master_or_param(m, p, PARAM_DTYPE)
     elif MASTER_KIND == REMAINDER:
         if MASKED:
             p = tl.load(param + offs, mask=mask, other=0)

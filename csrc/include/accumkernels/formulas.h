@@ -217,6 +217,28 @@ struct Storage<Dtype::kFloat16> {
   static AK_HD uint16_t store(float x) { return float_to_fp16(x); }
 };
 
+// A choice between two values computed either way, by a bit mask, not
+// whether to compute: a float operation under a condition may trap, and GCC
+// vectorizes a loop that holds one only where it can mask it (AVX-512), not
+// for AVX2; and a select (?:) of a value computed for it alone lets GCC move
+// that computation under the condition again. (The step's flags, weight
+// decay and nesterov, and master_or_param choose so.)
+AK_HD float select_bits(bool take_first, float first, float second) {
+  const uint32_t mask = 0u - static_cast<uint32_t>(take_first);
+  return bits_float((float_bits(first) & mask) | (float_bits(second) & ~mask));
+}
+
+// The fp32 weight a step with fp32 master weights starts from: the master,
+// unless the param no longer holds the master rounded to its dtype (as the
+// step left it): then the param's own value. A write through `p.data`
+// (`p.data.clamp_(-c, c)`, `p.data.copy_(w)`) bumps no version counter, so
+// only the step can see it; torch.optim steps from the param as it is. The
+// comparison is of the stored bits (a -0 written over +0 counts as a write).
+template <Dtype P>
+AK_HD float master_or_param(float master, typename Storage<P>::type param) {
+  return select_bits(Storage<P>::store(master) == param, master, Storage<P>::load(param));
+}
+
 // True for inf and NaN.
 AK_HD bool is_nonfinite(float x) { return (float_bits(x) & 0x7F800000u) == 0x7F800000u; }
 
@@ -253,7 +275,8 @@ AK_HD float lerp(float start, float end, const LerpWeight& weight) {
 // Where a step op reads and writes the weights, by WeightsKind:
 //   kParam       the param in its storage dtype, rounded to nearest even
 //   kStochastic  a bf16 param, rounded stochastically with the bits of slot 0
-//   kMaster      an fp32 master copy (the param receives it rounded to nearest even)
+//   kMaster      an fp32 master copy (the param receives it rounded to nearest
+//                even; a param written since is read instead: master_or_param)
 //   kRemainder   a bf16 param joined with its int16 remainder (see above)
 // store() takes the chunk's draws (SrChunk), shared with its state tensors.
 enum class WeightsKind : int { kParam = 0, kStochastic = 1, kMaster = 2, kRemainder = 3 };
@@ -269,7 +292,7 @@ struct Weights {
 
   AK_HD float load(int64_t i) const {
     if constexpr (K == WeightsKind::kMaster) {
-      return masters()[i];
+      return master_or_param<P>(masters()[i], param[i]);
     } else if constexpr (K == WeightsKind::kRemainder) {
       return join_remainder(param[i], remainders()[i]);
     } else {
@@ -471,16 +494,6 @@ AK_HD SgdHyper make_sgd_hyper(double lr, double momentum, double dampening, doub
 }
 
 enum class Momentum : int { kNone = 0, kFirstStep = 1, kRunning = 2 };
-
-// The flags (weight decay, nesterov) choose, by bit masks, between values
-// computed either way, not whether to compute: a float operation under a
-// condition may trap, and GCC vectorizes a loop that holds one only where it
-// can mask it (AVX-512), not for AVX2; and a select (?:) of a value computed
-// for it alone lets GCC move that computation under the condition again.
-AK_HD float select_bits(bool take_first, float first, float second) {
-  const uint32_t mask = 0u - static_cast<uint32_t>(take_first);
-  return bits_float((float_bits(first) & mask) | (float_bits(second) & ~mask));
-}
 
 template <Momentum kMomentum>
 AK_HD float sgd_update(float p, float g, float& momentum_buffer, const SgdHyper& h) {
