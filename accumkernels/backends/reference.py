@@ -72,11 +72,11 @@ def _weights(param, master):
 
 
 def master_or_param(master: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """formulas.h's master_or_param: the fp32 master where the param holds its
-    bits rounded to the param's dtype, else the param's value (a write through
-    ``p.data``, which only the step can see)."""
-    held = master.to(param.dtype).view(torch.int16) == param.view(torch.int16)
-    return torch.where(held, master, param.float())
+    """formulas.h's master_or_param: the fp32 master where it rounds (to
+    nearest even) to the param's value, else the param's value (a write
+    through ``p.data``, which only the step can see). Compared as values."""
+    value = param.float()
+    return torch.where(master.to(param.dtype).float() == value, master, value)
 
 
 def _as_int16(bits: torch.Tensor) -> torch.Tensor:

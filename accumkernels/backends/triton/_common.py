@@ -169,17 +169,18 @@ def to_storage(x, dtype: tl.constexpr):
 
 @triton.jit
 def master_or_param(master, param, dtype: tl.constexpr):
-    """formulas.h's master_or_param: the fp32 master where the param (its
-    storage values: bf16 as uint16 bits) holds its bits rounded to ``dtype``,
-    else the param's value (a write through ``p.data``)."""
+    """formulas.h's master_or_param: the fp32 master where it rounds (to
+    nearest even) to the param's value (``param``: its storage values, bf16 as
+    uint16 bits), else the param's value (a write through ``p.data``).
+    Compared as values."""
     held = to_storage(master, dtype)
     if dtype == tl.bfloat16:
-        same = held == param
+        rounded = (held.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
         value = (param.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     else:
-        same = held.to(tl.uint16, bitcast=True) == param.to(tl.uint16, bitcast=True)
+        rounded = held.to(tl.float32)
         value = param.to(tl.float32)
-    return tl.where(same, master, value)
+    return tl.where(rounded == value, master, value)
 
 
 # ---- the step families (SGD, Adam/AdamW) --------------------------------------
