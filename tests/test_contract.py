@@ -252,6 +252,26 @@ def test_float64_and_complex_params_are_refused_at_construction(dtype):
         ak.AdamW([{"params": [good]}, {"params": [bad]}])
 
 
+def test_a_lazy_modules_uninitialized_params_are_refused_by_name():
+    """torch.optim holds an nn.LazyLinear's params before its first forward;
+    the fp32 buffers need their sizes: refused by name, at construction and in
+    add_param_group (the optimizer as it was); after a forward on a dummy batch
+    the same model trains."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.LazyLinear(2))
+    with pytest.raises(ValueError, match=r"param group 0 holds an uninitialized param.*dummy batch"):
+        ak.AdamW(model.parameters(), lr=1e-2)
+    opt = ak.AdamW(model[0].parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match=r"param group 1 holds an uninitialized param"):
+        opt.add_param_group({"params": list(model[1].parameters())})
+    assert len(opt.param_groups) == 1
+    model(torch.randn(2, 3))
+    opt.add_param_group({"params": list(model[1].parameters())})
+    before = model[1].weight.detach().clone()
+    model(torch.randn(2, 3)).square().sum().backward()
+    opt.step()
+    assert not torch.equal(model[1].weight, before)
+
+
 def test_closure_optimizers_are_refused_at_construction():
     with pytest.raises(TypeError, match="LBFGS.step\\(\\) needs a closure.*use LBFGS directly"):
         ak.AccumulatingOptimizer(torch.optim.LBFGS([torch.zeros(3, requires_grad=True)]))

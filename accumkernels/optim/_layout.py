@@ -131,7 +131,7 @@ class ParamRecord:
 
 def collect_params(optimizer) -> tuple[list[torch.Tensor], list[int]]:
     """The optimizer's params in group order and the group of each; refuses a
-    param in two groups and sparse params."""
+    param in two groups, sparse params and a lazy module's uninitialized ones."""
     params, groups, seen = [], [], set()
     for g, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
@@ -143,6 +143,13 @@ def collect_params(optimizer) -> tuple[list[torch.Tensor], list[int]]:
                 )
             if p.layout != torch.strided:
                 raise TypeError(f"param group {g} holds a {p.layout} param; only dense params are supported")
+            if isinstance(p, torch.nn.parameter.UninitializedParameter):
+                # torch.optim holds it until a forward gives it a shape; the fp32 buffers need the shape now.
+                raise ValueError(
+                    f"param group {g} holds an uninitialized param (a lazy module's, e.g. nn.LazyLinear): its fp32 "
+                    "buffer is laid out from its size, which it has only after a forward; run the model once "
+                    "on a dummy batch before building the optimizer (or adding the group)"
+                )
             seen.add(id(p))
             params.append(p)
             groups.append(g)
