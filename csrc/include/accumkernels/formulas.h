@@ -203,18 +203,27 @@ struct Storage<Dtype::kFloat32> {
   using type = float;
   static AK_HD float load(float x) { return x; }
   static AK_HD float store(float x) { return x; }
+  static AK_HD float rounded(float x) { return x; }
 };
 template <>
 struct Storage<Dtype::kBFloat16> {
   using type = uint16_t;
   static AK_HD float load(uint16_t x) { return bf16_to_float(x); }
   static AK_HD uint16_t store(float x) { return float_to_bf16(x); }
+  // load(store(x)) in 32-bit lanes (a NaN stays a NaN, not the same one).
+  static AK_HD float rounded(float x) {
+    const uint32_t u = float_bits(x);
+    const uint32_t nan_mask = 0u - static_cast<uint32_t>((u & 0x7FFFFFFFu) > 0x7F800000u);
+    const uint32_t nearest = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    return bits_float((nan_mask & u) | (~nan_mask & nearest));
+  }
 };
 template <>
 struct Storage<Dtype::kFloat16> {
   using type = uint16_t;
   static AK_HD float load(uint16_t x) { return fp16_to_float(x); }
   static AK_HD uint16_t store(float x) { return float_to_fp16(x); }
+  static AK_HD float rounded(float x) { return load(store(x)); }
 };
 
 // A choice between two values computed either way, by a bit mask, not
@@ -239,7 +248,7 @@ AK_HD float select_bits(bool take_first, float first, float second) {
 template <Dtype P>
 AK_HD float master_or_param(float master, typename Storage<P>::type param) {
   const float value = Storage<P>::load(param);
-  return select_bits(Storage<P>::load(Storage<P>::store(master)) == value, master, value);
+  return select_bits(Storage<P>::rounded(master) == value, master, value);
 }
 
 // True for inf and NaN.
