@@ -632,3 +632,55 @@ def test_a_checkpoint_with_codes_but_no_scales_is_refused_whole():
     with pytest.raises(ValueError, match="exp_avg_scales"):
         other.load_state_dict(sd)
     assert other.state_dict()["state"] == before["state"]
+
+
+def _reset_between_windows(optimizer_class, hyper, reset) -> nn.Module:
+    """Two windows, ``reset(opt, params)`` on the state, two more windows
+    (8-bit state); the same gradients for every ``reset``."""
+    model = _model()
+    opt = ak.AccumulatingOptimizer(
+        optimizer_class(model.parameters(), **hyper), accum_steps=2, state_dtype="8bit", seed=7
+    )
+    g = torch.Generator().manual_seed(11)
+    _micro_steps(model, opt, 4, g)
+    reset(opt, list(model.parameters()))
+    _micro_steps(model, opt, 4, g)
+    return model
+
+
+@pytest.mark.parametrize(
+    "optimizer_class, hyper, key, set_to",
+    [
+        (torch.optim.AdamW, dict(lr=1e-2), "exp_avg", "zeros"),
+        (torch.optim.AdamW, dict(lr=1e-2), "exp_avg_sq", "zeros"),
+        (torch.optim.SGD, dict(lr=0.05, momentum=0.9), "momentum_buffer", "zeros"),
+        (torch.optim.SGD, dict(lr=0.05, momentum=0.9), "momentum_buffer", None),
+    ],
+    ids=["adamw-exp_avg", "adamw-exp_avg_sq", "sgd-momentum", "sgd-momentum-None"],
+)
+def test_a_moment_set_in_the_state_is_what_the_next_step_uses(optimizer_class, hyper, key, set_to):
+    """torch code resets a moment by setting it in the state
+    (``opt.state[p]["exp_avg"] = torch.zeros_like(p)``; torch's SGD starts its
+    momentum anew from the gradient where ``momentum_buffer`` is None). With
+    8-bit state the moment is kept as codes and scales, which the step used
+    instead, silently: a plain value set since is encoded at the next step and
+    replaces them, and None starts the momentum anew. References: the codes
+    and scales zeroed (code 0 is 0), or the param's state emptied."""
+
+    def set_plain(opt, params):
+        for p in params:
+            opt.state[p][key] = None if set_to is None else torch.zeros_like(p)
+
+    def reference(opt, params):
+        for p in params:
+            if set_to is None:
+                opt.state[p] = {}
+            else:
+                opt.state[p][key + "_codes"].zero_()
+                opt.state[p][key + "_scales"].zero_()
+
+    done = _reset_between_windows(optimizer_class, hyper, set_plain)
+    expected = _reset_between_windows(optimizer_class, hyper, reference)
+    untouched = _reset_between_windows(optimizer_class, hyper, lambda opt, params: None)
+    assert all(torch.equal(a, b) for a, b in zip(done.parameters(), expected.parameters()))
+    assert not torch.equal(done[0].weight, untouched[0].weight)

@@ -249,9 +249,13 @@ class Updater:
                     self._adam(group, subset, grad_scale, found_inf, seed, zero_buffers)
 
     def _has_state(self, r: ParamRecord, key: str) -> bool:
-        """Whether ``r`` holds state ``key`` (plain, or as 8-bit codes)."""
+        """Whether ``r`` holds state ``key`` (plain, or as 8-bit codes). A
+        plain ``key`` set to None is none, codes or not: torch's SGD starts
+        its momentum anew from the gradient there."""
         state = self.optimizer.state[r.param]
-        return state.get(key) is not None or state.get(key + "_codes") is not None
+        if key in state:
+            return state[key] is not None
+        return state.get(key + "_codes") is not None
 
     def _state_like(self, r: ParamRecord, key: str) -> torch.Tensor:
         """The state tensor ``key`` of ``r`` (of this rank's elements) in the
@@ -282,9 +286,11 @@ class Updater:
     def _codes_like(self, r: ParamRecord, key: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The 8-bit state ``key`` of ``r``: (uint8 codes laid out like what is
         stepped, fp32 block scales), kept as ``<key>_codes`` and
-        ``<key>_scales``; created as zeros, or encoded (to nearest) from the
-        fp32 or bf16 ``key`` of a plain checkpoint, or re-encoded from codes
-        laid out otherwise (the blocks follow the memory order). For an FSDP2
+        ``<key>_scales``; created as zeros, or encoded (to nearest) from a
+        plain ``key`` (an fp32 or bf16 checkpoint's, or one set since the last
+        step, as torch code that resets a moment does: it replaces the codes),
+        or re-encoded from codes laid out otherwise (the blocks follow the
+        memory order). For an FSDP2
         param the codes are a DTensor sharded like it and the scales this
         rank's row of a (W, blocks) DTensor (_fsdp.state8_blocks says why); the
         kernels get the local shard and the row's first scales."""
@@ -308,11 +314,11 @@ class Updater:
             and scales.numel() == kept
             and dtensor == hasattr(state[key + "_scales"], "device_mesh")
         )
-        if fits:
-            return codes, scales[:blocks]
         plain = state.pop(key, None)
+        if fits and plain is None:
+            return codes, scales[:blocks]
         plain = None if plain is None else local_tensor(plain)
-        if codes is not None and scales is not None:
+        if plain is None and codes is not None and scales is not None:
             plain = state8.decode_moment(key, codes, scales[:blocks])
         if plain is None:
             codes = torch.zeros_like(like, dtype=torch.uint8, memory_format=torch.preserve_format)
