@@ -851,6 +851,9 @@ def test_master_weights_follow_writes_through_data(write):
                 p.data.copy_(w)
         return [p.detach() != b for p, b in zip(model.parameters(), before)]
 
+    def write(model, opt):
+        written(model)
+
     def rebuild(model, opt):
         saved = copy.deepcopy(opt.state_dict())
         masters = saved["accumkernels"]["master_weights"].values()
@@ -862,7 +865,7 @@ def test_master_weights_follow_writes_through_data(write):
         fresh_opt.load_state_dict(saved)
         return fresh, fresh_opt
 
-    followed, _ = _master_weights_run(lambda model, opt: written(model) and None)
+    followed, _ = _master_weights_run(write)
     reference, _ = _master_weights_run(rebuild)
     assert all(torch.equal(a, b) for a, b in zip(followed.parameters(), reference.parameters()))
     untouched, _ = _master_weights_run()

@@ -168,18 +168,15 @@ def to_storage(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def master_or_param(master, param, dtype: tl.constexpr):
+def master_or_param(master, value, dtype: tl.constexpr):
     """formulas.h's master_or_param: the fp32 master where it rounds (to
-    nearest even) to the param's value (``param``: its storage values, bf16 as
-    uint16 bits), else the param's value (a write through ``p.data``).
-    Compared as values."""
+    nearest even) to the param's value ``value`` (fp32, as load_f32 gives
+    it), else the value (a write through ``p.data``). Compared as values."""
     held = to_storage(master, dtype)
     if dtype == tl.bfloat16:
-        rounded = (held.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-        value = (param.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        rounded = f.bf16_to_float(held)
     else:
         rounded = held.to(tl.float32)
-        value = param.to(tl.float32)
     return tl.where(rounded == value, master, value)
 
 
@@ -269,19 +266,9 @@ def load_weight(param, master, offs, mask, PARAM_DTYPE: tl.constexpr, MASTER_KIN
     """The fp32 weight: the master copy, the param joined with its remainder, or the param."""
     if MASTER_KIND == FP32_MASTER:
         m = load_f32(master, offs, mask, tl.float32, MASKED)
-        if MASKED:
-            p = tl.load(param + offs, mask=mask, other=0)
-        else:
-            p = tl.load(param + offs)
-        return master_or_param(m, p, PARAM_DTYPE)
+        return master_or_param(m, load_f32(param, offs, mask, PARAM_DTYPE, MASKED), PARAM_DTYPE)
     elif MASTER_KIND == REMAINDER:
-        if MASKED:
-            p = tl.load(param + offs, mask=mask, other=0)
-            r = tl.load(master + offs, mask=mask, other=0)
-        else:
-            p = tl.load(param + offs)
-            r = tl.load(master + offs)
-        return f.join_remainder(p, r)
+        return f.join_remainder(load(param, offs, mask, MASKED), load(master, offs, mask, MASKED))
     else:
         return load_f32(param, offs, mask, PARAM_DTYPE, MASKED)
 
