@@ -76,34 +76,27 @@ def wrapped_model(cfg, mesh, **options):
     return model, opt
 
 
-def reference(cfg, world):
-    """One process, one big step per window on every rank's micro-batches (the
-    bf16-compute policies' comparison: their gradients are bf16's, not these)."""
-    model = Net()
-    opt = make_optimizer(model.parameters(), cfg.get("optimizer", "adamw"))
-    for w in range(WINDOWS):
-        opt.zero_grad()
-        batches = [micro_batch(cfg["seed"], w, r, m) for r in range(world) for m in range(N_MICRO)]
-        # len(batches) is a power of two: dividing the loss by it is exact
-        (sum(F.mse_loss(model(x), y) for x, y in batches) / len(batches)).backward()
-        if cfg.get("clip"):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
-        opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+def compute_dtype(cfg):
+    """The dtype the ranks' forward and backward run in: FSDP2's param_dtype,
+    else the sharded params' own."""
+    return DTYPES[cfg.get("param_dtype") or cfg.get("storage") or "fp32"]
 
 
 def window_gradients(cfg, world):
     """For tests/helpers.py's assert_windows_within_bound: window w's
     micro-batch gradients on every rank at the given (full) params, as FSDP2
-    computes them on the unsharded params, and the divisor of their sum."""
+    computes them on the unsharded params (in bf16 where the policy computes
+    in bf16: the params and inputs cast to it, to nearest, as FSDP2 casts
+    them), and the divisor of their sum."""
     items = cfg.get("normalize") == "items"
+    dtype = compute_dtype(cfg)
 
     def gradients(w: int, params: list[torch.Tensor]):
         batches = [micro_batch(cfg["seed"], w, r, m, items) for r in range(world) for m in range(N_MICRO)]
         reduction = "sum" if items else "mean"
-        losses = [lambda model, x=x, y=y: F.mse_loss(model(x), y, reduction=reduction) for x, y in batches]
+        losses = [lambda model, x=x, y=y: F.mse_loss(model(x.to(dtype)), y, reduction=reduction) for x, y in batches]
         divisor = sum(y.numel() for _, y in batches) if items else world * N_MICRO
-        return gradients_at(Net(), params, losses), divisor
+        return gradients_at(Net().to(dtype), params, losses), divisor
 
     return gradients
 
@@ -135,10 +128,7 @@ def parity(cfg, rank, world, mesh):
     for w in range(WINDOWS):
         train(cfg, model, opt, rank, windows=[w], no_sync=cfg.get("no_sync", False))
         trajectory.append(full_params(model))
-    out = {"params": trajectory[-1], "trajectory": trajectory}
-    if rank == 0 and ("param_dtype" in cfg or "storage" in cfg):
-        out["reference"] = reference(cfg, world)
-    return out
+    return {"params": trajectory[-1], "trajectory": trajectory}
 
 
 def _shard_recorder(model, sums):

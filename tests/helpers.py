@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -101,15 +102,21 @@ def adam64(p, g, m, v, vmax, step, *, lr, beta1, beta2, eps, weight_decay, amsgr
 # (float64) sum of the same micro-batch gradients and an exact optimizer state
 # carried from window to window, the step the optimizer defines; the run's
 # params after the window must lie within the error that fp32 arithmetic can
-# make of it, bounded element by element (assert_windows_within_bound).
+# make of it, bounded element by element (assert_windows_within_bound). Runs in
+# bf16 add known roundings to that: a reduction across ranks in bf16, and params
+# and state stored in bf16 (to nearest: half an ulp, 2^-8 of the value;
+# stochastically: under one ulp, 2^-7); their gradients are computed by the same
+# ops in bf16, so these are the gradients the check is given.
 
 U32 = 2.0**-24  # fp32 unit roundoff
+U_BF16 = 2.0**-8  # bf16 unit roundoff (to nearest); stochastic rounding: 2 * U_BF16
 
 
-def gamma(k: int) -> float:
-    """Higham's gamma_k = k u / (1 - k u): a sum of k + 1 fp32 terms in any
-    order is within gamma_k * sum |terms| of the exact sum."""
-    return k * U32 / (1 - k * U32)
+def gamma(k: int, u: float = U32) -> float:
+    """Higham's gamma_k = k u / (1 - k u): a sum of k + 1 terms in any order,
+    each addition rounded with unit roundoff u, is within gamma_k * sum |terms|
+    of the exact sum."""
+    return k * u / (1 - k * u)
 
 
 def rel_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -132,13 +139,16 @@ def gradients_at(model, params, losses) -> list[list[torch.Tensor]]:
     return grads
 
 
-def _window_gradient(micro_grads, divisor):
+def _window_gradient(micro_grads, divisor, reduce_error=0.0):
     """The exact window gradient (sum of the micro-batch gradients / divisor)
     and the bound on fp32's: n - 1 additions in any order (across ranks too),
-    the scaling by 1 / divisor and its own rounding, <= gamma_{n+2} sum |g_i| / divisor."""
+    the scaling by 1 / divisor and its own rounding, <= gamma_{n+2} sum |g_i| / divisor;
+    plus ``reduce_error`` sum |g_i| / divisor where the ranks' gradients were
+    reduced in a lower precision (its gamma) before the fp32 sum."""
     n = len(micro_grads)
     exact = [sum(g[i].double() for g in micro_grads) / divisor for i in range(len(micro_grads[0]))]
-    error = [gamma(n + 2) * sum(g[i].double().abs() for g in micro_grads) / divisor for i in range(len(exact))]
+    relative = gamma(n + 2) + reduce_error
+    error = [relative * sum(g[i].double().abs() for g in micro_grads) / divisor for i in range(len(exact))]
     return exact, error
 
 
@@ -190,9 +200,10 @@ def _adamw_window(p, g, dg, state, h):
     return new, lr * dupdate + 4 * U32 * (p.abs() + new.abs() + lr * update.abs())
 
 
-def _sgd_window(p, g, dg, state, h):
+def _sgd_window(p, g, dg, state, h, state_roundoff=0.0):
     """SGD with momentum (torch's, dampening 0): b = mu b + g + wd p, p - lr b;
-    b's error carries from window to window."""
+    b's error carries from window to window, with its storage's rounding
+    (``state_roundoff`` of it) where b is held in a lower precision."""
     mu, wd, lr = h["momentum"], h["weight_decay"], h["lr"]
     d = g + wd * p
     dd = dg + 2 * U32 * (wd * p).abs()
@@ -201,30 +212,38 @@ def _sgd_window(p, g, dg, state, h):
     else:
         b = mu * state["b"] + d
         db = mu * state["db"] + dd + 3 * U32 * (mu * (state["b"].abs() + state["db"]) + d.abs() + dd)
+    db = db + state_roundoff * (b.abs() + db)
     state.update(b=b, db=db)
     new = p - lr * b
     return new, lr * db + 3 * U32 * (p.abs() + new.abs() + lr * b.abs())
 
 
-def _step_rule(optimizer: torch.optim.Optimizer):
+def _step_rule(optimizer: torch.optim.Optimizer, state_roundoff: float):
     """The window rule for ``optimizer``'s type and its hyperparameters (one group)."""
     (h,) = optimizer.param_groups
-    if isinstance(optimizer, torch.optim.AdamW) and not (h["amsgrad"] or h["maximize"]):
+    if isinstance(optimizer, torch.optim.AdamW) and not (h["amsgrad"] or h["maximize"] or state_roundoff):
         return _adamw_window, h
     if isinstance(optimizer, torch.optim.SGD) and not (h["nesterov"] or h["dampening"] or h["maximize"]):
-        return _sgd_window, h
-    raise NotImplementedError(f"no window bound for {type(optimizer).__name__} with {h}")
+        return functools.partial(_sgd_window, state_roundoff=state_roundoff), h
+    raise NotImplementedError(
+        f"no window bound for {type(optimizer).__name__} with {h} (state_roundoff {state_roundoff})"
+    )
 
 
-def assert_windows_within_bound(trajectory, window_gradients, optimizer, clip=None) -> None:
+def assert_windows_within_bound(
+    trajectory, window_gradients, optimizer, clip=None, *, reduce_error=0.0, param_roundoff=0.0, state_roundoff=0.0
+) -> None:
     """``trajectory``: the run's params before its first window and after each;
     ``window_gradients(w, params)``: window w's micro-batch gradients at
     ``params`` (each a list over params, as the ranks computed them: the same
     ops on the same params give the same bits) and the divisor of their sum;
     ``optimizer``: a torch optimizer of the run's type and hyperparameters.
     Every window's step is within the fp32 error bound of the exact step from
-    the params the run held (module comment above)."""
-    rule, h = _step_rule(optimizer)
+    the params the run held (module comment above), widened by the run's
+    lower-precision roundings: ``reduce_error`` (relative to sum |g_i|) of the
+    gradients' reduction across ranks, ``param_roundoff`` and ``state_roundoff``
+    (relative) of storing the new params and the momentum."""
+    rule, h = _step_rule(optimizer, state_roundoff)
     states = None
     for w, (before, after) in enumerate(zip(trajectory, trajectory[1:])):
         threads = torch.get_num_threads()
@@ -233,12 +252,13 @@ def assert_windows_within_bound(trajectory, window_gradients, optimizer, clip=No
             micro_grads, divisor = window_gradients(w, before)
         finally:
             torch.set_num_threads(threads)
-        grad, error = _window_gradient(micro_grads, divisor)
+        grad, error = _window_gradient(micro_grads, divisor, reduce_error)
         if clip:
             grad, error = _clipped(grad, error, clip)
         states = states or [{} for _ in before]
         for i, (p, g, dg) in enumerate(zip(before, grad, error)):
             expected, bound = rule(p.double(), g, dg, states[i], h)
+            bound = bound + param_roundoff * (expected.abs() + bound)
             err = (after[i].double() - expected).abs()
             worst = (err / (bound + 1e-300)).max().item()
             assert worst <= 1.0, (
