@@ -205,14 +205,18 @@ def resume(cfg, rank, world):
     }
 
 
-def _counting_comm_hook(calls: list):
+def _count_reducer_calls(ddp, calls: list) -> None:
+    """A probe on DDP's reducer: ``calls[0]`` counts the buckets it would send.
+    Registered on the reducer itself, not through ddp.register_comm_hook (a
+    user's hook, which the wrapper refuses: it would never run)."""
+
     def hook(state, bucket):
         calls[0] += 1
         future = torch.futures.Future()
         future.set_result(bucket.buffer())
         return future
 
-    return hook
+    dist._register_comm_hook(ddp.reducer, None, hook)
 
 
 def ddp_and_wrapper(cfg, model, order: str):
@@ -236,7 +240,7 @@ def ddp_taken_over(cfg, rank, world):
         trajectory = [params_of(model)]
         ddp, opt = ddp_and_wrapper(cfg, model, order)
         calls = [0]
-        ddp.register_comm_hook(None, _counting_comm_hook(calls))
+        _count_reducer_calls(ddp, calls)
         for w in range(WINDOWS):
             for m in range(N_MICRO):
                 x, y = micro_batch(cfg["seed"], w, rank, m, False)
@@ -263,7 +267,7 @@ def framework_loop(cfg, rank, world):
     )
     ddp = torch.nn.parallel.DistributedDataParallel(model, **cfg.get("ddp_kwargs", {}))
     calls = [0]
-    ddp.register_comm_hook(None, _counting_comm_hook(calls))
+    _count_reducer_calls(ddp, calls)
     norms, trajectory = [], [params_of(model)]
     for w in range(WINDOWS):
         for m in range(N_MICRO):
@@ -385,6 +389,65 @@ def ddp_join(cfg, rank, world):
     return errors
 
 
+def ddp_comm_hook(cfg, rank, world):
+    """A comm hook on DDP (bf16 compression; a built-in fp16 one) would never
+    run: refused on every rank alike, before any collective, whether DDP and
+    its hook come before the optimizer (at construction), after it (at the
+    first forward), or the hook after a window (at the next forward, nothing
+    stepped or accumulated)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    def bf16(ddp):
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+
+    def fp16_builtin(ddp):
+        ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+
+    def train_window(ddp, opt, w):
+        for m in range(N_MICRO):
+            x, y = micro_batch(cfg["seed"], w, rank, m, False)
+            F.mse_loss(ddp(x, rank % 2 == 1).float(), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+    errors = {}
+    for name, register in (("bf16", bf16), ("fp16-builtin", fp16_builtin)):
+        model = Net()
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        register(ddp)
+        try:
+            wrapped(cfg, model)
+            errors[f"{name}-ddp-first"] = None
+        except RuntimeError as e:
+            errors[f"{name}-ddp-first"] = str(e)
+
+        model = Net()
+        opt = wrapped(cfg, model)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        register(ddp)
+        for attempt in ("first", "retried"):  # a caught refusal does not let the next forward through
+            try:
+                train_window(ddp, opt, 0)
+                errors[f"{name}-optimizer-first-{attempt}"] = None
+            except RuntimeError as e:
+                errors[f"{name}-optimizer-first-{attempt}"] = str(e)
+        opt.close()
+
+    model = Net()
+    ddp, opt = ddp_and_wrapper(cfg, model, "ddp-first")
+    train_window(ddp, opt, 0)
+    before, micro_steps = params_of(model), opt.micro_steps
+    bf16(ddp)
+    try:
+        train_window(ddp, opt, 1)
+        errors["bf16-after-a-window"] = None
+    except RuntimeError as e:
+        errors["bf16-after-a-window"] = str(e)
+    untouched = all(map(torch.equal, params_of(model), before)) and opt.micro_steps == micro_steps
+    opt.close()
+    return {"errors": errors, "untouched": untouched}
+
+
 def dcp(cfg, rank, world):
     """torch.distributed.checkpoint's get/set_optimizer_state_dict at a window
     boundary: in all-reduce mode (bf16 params, fp32 masters) a fresh wrapper
@@ -453,6 +516,7 @@ SCENARIOS = {
     "misuse": misuse,
     "dcp": dcp,
     "ddp_join": ddp_join,
+    "ddp_comm_hook": ddp_comm_hook,
     "add_group": add_group,
     "modes_agree": modes_agree,
 }

@@ -68,6 +68,7 @@ CASES_2 = {
     "misuse": dict(scenario="misuse", optimizer="sgd"),
     "dcp": dict(scenario="dcp", optimizer="adamw"),
     "ddp-join": dict(scenario="ddp_join", optimizer="sgd"),
+    "ddp-comm-hook": dict(scenario="ddp_comm_hook", optimizer="sgd"),
     "add-group": dict(scenario="add_group", optimizer="adamw"),
     "modes-agree": dict(scenario="modes_agree", optimizer="adamw"),
 }
@@ -273,6 +274,20 @@ def test_ddp_join_is_refused_on_every_rank(runs):
     for r in runs[2]:
         for order, error in r["ddp-join"].items():
             assert error is not None and "DistributedDataParallel.join()" in error, (order, error)
+
+
+def test_a_ddp_comm_hook_is_refused_on_every_rank(runs):
+    """It would never run (the wrapper reduces the fp32 sums itself): refused
+    at construction, at the first forward (again when retried), and at the
+    forward after a window if registered then, before anything is touched."""
+    for r in runs[2]:
+        result = r["ddp-comm-hook"]
+        assert len(result["errors"]) == 7
+        for case, error in result["errors"].items():
+            assert error is not None and "comm hook" in error and "wire_dtype=torch.bfloat16" in error, (case, error)
+        assert "bf16_compress_hook" in result["errors"]["bf16-ddp-first"]
+        assert "FP16_COMPRESS" in result["errors"]["fp16-builtin-optimizer-first-first"]
+        assert result["untouched"]
 
 
 def test_distributed_checkpoint(runs):

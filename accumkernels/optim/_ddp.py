@@ -30,9 +30,25 @@ def ddp_modules_holding(params) -> list:
     return live_instances(DistributedDataParallel, lambda ddp: any(id(p) in ids for p in ddp.module.parameters()))
 
 
-def refuse_join(ddp) -> None:
-    """At a forward inside ``ddp.join()``, before any collective, so that every
-    rank raises this rather than a gloo or NCCL abort."""
+def refuse_what_cannot_run(ddp) -> None:
+    """Before any collective (at the take-over, and at every forward: the
+    framework may set these up after the optimizer), on every rank alike.
+
+    A comm hook (fp16/bf16 compression, PowerSGD, DDP's own mixed precision)
+    would never run: DDP's reducer is silenced and the wrapper reduces its fp32
+    window sums itself. And inside ``ddp.join()`` a rank that ran out of data
+    has no shadow for the wrapper's collectives (refused rather than a gloo or
+    NCCL abort)."""
+    hooks = getattr(ddp, "_comm_hooks", None)
+    # A built-in hook (_register_builtin_comm_hook) is known only by its name in DDP's logging data.
+    hook = hooks[0][0].__qualname__ if hooks else ddp._get_ddp_logging_data().get("comm_hook")
+    if hook:
+        raise RuntimeError(
+            f"a comm hook ({hook}) is registered on this DistributedDataParallel module, and it would never run: "
+            "AccumulatingOptimizer silences DDP's reducer and reduces the fp32 window sums itself, once per window. "
+            "Build DDP without the hook (Lightning: DDPStrategy(ddp_comm_hook=None); Accelerate: no comm_hook in "
+            "DistributedDataParallelKwargs); for a 16-bit wire pass wire_dtype=torch.bfloat16 to AccumulatingOptimizer"
+        )
     join = getattr(ddp, "_join_config", None)
     if join is not None and join.enable:
         raise RuntimeError(
@@ -63,7 +79,7 @@ def take_over_ddp(ddp, window: Window, reclaim=None) -> None:
     window_ref = weakref.ref(window)
 
     def forward_without_sync(*args, **kwargs):
-        refuse_join(ddp)
+        refuse_what_cannot_run(ddp)
         intent = ddp.require_backward_grad_sync
         ddp.require_backward_grad_sync = False
         try:
@@ -97,7 +113,10 @@ class DDPWatch:
         # Set by an intake whose buffers are .grad (take_over_ddp); DDP modules
         # that exist now made no bucket views of them yet.
         self.reclaim = None
-        for ddp in ddp_modules_holding(params):
+        held = ddp_modules_holding(params)
+        for ddp in held:
+            refuse_what_cannot_run(ddp)
+        for ddp in held:
             take_over_ddp(ddp, window)
         ref = weakref.ref(self)
         self._handle = torch.nn.modules.module.register_module_forward_pre_hook(
@@ -110,13 +129,15 @@ class DDPWatch:
 
         if id(module) in self._seen or not issubclass(type(module), DistributedDataParallel):
             return
-        self._seen.add(id(module))
         if not any(id(p) in self._ids for p in module.module.parameters()):
+            self._seen.add(id(module))
             return
         first = getattr(module, "_accumkernels_window", None) is None
+        if first:
+            refuse_what_cannot_run(module)  # before it counts as seen: a retried forward is refused again
+        self._seen.add(id(module))
         take_over_ddp(module, self._window, self.reclaim)
         if first:
-            refuse_join(module)
             # This call already looked up the old forward: silence it by hand and
             # restore the framework's value after it.
             intent = module.require_backward_grad_sync
