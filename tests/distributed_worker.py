@@ -393,7 +393,7 @@ def ddp_comm_hook(cfg, rank, world):
     """A comm hook on DDP (bf16 compression; a built-in fp16 one) would never
     run: refused on every rank alike, before any collective, whether DDP and
     its hook come before the optimizer (at construction), after it (at the
-    first forward), or the hook after a window (at the next forward, nothing
+    first forward), or the hook after a window (at its registration, nothing
     stepped or accumulated)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -437,8 +437,8 @@ def ddp_comm_hook(cfg, rank, world):
     ddp, opt = ddp_and_wrapper(cfg, model, "ddp-first")
     train_window(ddp, opt, 0)
     before, micro_steps = params_of(model), opt.micro_steps
-    bf16(ddp)
     try:
+        bf16(ddp)
         train_window(ddp, opt, 1)
         errors["bf16-after-a-window"] = None
     except RuntimeError as e:

@@ -278,8 +278,8 @@ def test_ddp_join_is_refused_on_every_rank(runs):
 
 def test_a_ddp_comm_hook_is_refused_on_every_rank(runs):
     """It would never run (the wrapper reduces the fp32 sums itself): refused
-    at construction, at the first forward (again when retried), and at the
-    forward after a window if registered then, before anything is touched."""
+    at construction, at the first forward (again when retried), and at its
+    registration after a window, before anything is touched."""
     for r in runs[2]:
         result = r["ddp-comm-hook"]
         assert len(result["errors"]) == 7

@@ -30,25 +30,21 @@ def ddp_modules_holding(params) -> list:
     return live_instances(DistributedDataParallel, lambda ddp: any(id(p) in ids for p in ddp.module.parameters()))
 
 
-def refuse_what_cannot_run(ddp) -> None:
-    """Before any collective (at the take-over, and at every forward: the
-    framework may set these up after the optimizer), on every rank alike.
+def refuse_comm_hook(name: str) -> None:
+    """A comm hook (fp16/bf16 compression, PowerSGD, DDP's own mixed
+    precision) would never run: DDP's reducer is silenced and the wrapper
+    reduces its fp32 window sums itself."""
+    raise RuntimeError(
+        f"a comm hook ({name}) on this DistributedDataParallel module would never run: "
+        "AccumulatingOptimizer silences DDP's reducer and reduces the fp32 window sums itself, once per window. "
+        "Build DDP without the hook (Lightning: DDPStrategy(ddp_comm_hook=None); Accelerate: no comm_hook in "
+        "DistributedDataParallelKwargs); for a 16-bit wire pass wire_dtype=torch.bfloat16 to AccumulatingOptimizer"
+    )
 
-    A comm hook (fp16/bf16 compression, PowerSGD, DDP's own mixed precision)
-    would never run: DDP's reducer is silenced and the wrapper reduces its fp32
-    window sums itself. And inside ``ddp.join()`` a rank that ran out of data
-    has no shadow for the wrapper's collectives (refused rather than a gloo or
-    NCCL abort)."""
-    hooks = getattr(ddp, "_comm_hooks", None)
-    # A built-in hook (_register_builtin_comm_hook) is known only by its name in DDP's logging data.
-    hook = hooks[0][0].__qualname__ if hooks else ddp._get_ddp_logging_data().get("comm_hook")
-    if hook:
-        raise RuntimeError(
-            f"a comm hook ({hook}) is registered on this DistributedDataParallel module, and it would never run: "
-            "AccumulatingOptimizer silences DDP's reducer and reduces the fp32 window sums itself, once per window. "
-            "Build DDP without the hook (Lightning: DDPStrategy(ddp_comm_hook=None); Accelerate: no comm_hook in "
-            "DistributedDataParallelKwargs); for a 16-bit wire pass wire_dtype=torch.bfloat16 to AccumulatingOptimizer"
-        )
+
+def refuse_join(ddp) -> None:
+    """At a forward inside ``ddp.join()``, before any collective, so that every
+    rank raises this rather than a gloo or NCCL abort."""
     join = getattr(ddp, "_join_config", None)
     if join is not None and join.enable:
         raise RuntimeError(
@@ -57,6 +53,17 @@ def refuse_what_cannot_run(ddp) -> None:
             "for those collectives. Give every rank the same number of micro-batches (e.g. "
             "DistributedSampler(drop_last=True)) and drop the join() context"
         )
+
+
+def refuse_what_cannot_run(ddp) -> None:
+    """Before ``ddp`` is taken over, on every rank alike: a comm hook already
+    registered (DDP's logging data names Python and built-in ones alike;
+    take_over_ddp refuses those registered later, at the call), or a
+    ``join()`` it runs in."""
+    hook = ddp._get_ddp_logging_data().get("comm_hook")
+    if hook:
+        refuse_comm_hook(hook)
+    refuse_join(ddp)
 
 
 def take_over_ddp(ddp, window: Window, reclaim=None) -> None:
@@ -79,7 +86,7 @@ def take_over_ddp(ddp, window: Window, reclaim=None) -> None:
     window_ref = weakref.ref(window)
 
     def forward_without_sync(*args, **kwargs):
-        refuse_what_cannot_run(ddp)
+        refuse_join(ddp)
         intent = ddp.require_backward_grad_sync
         ddp.require_backward_grad_sync = False
         try:
@@ -92,6 +99,10 @@ def take_over_ddp(ddp, window: Window, reclaim=None) -> None:
                 owner.sync_intent = intent
 
     ddp.forward = forward_without_sync
+    # A hook registered from here on is refused at the call (rather than
+    # looked up again at every forward).
+    ddp.register_comm_hook = lambda state, hook: refuse_comm_hook(hook.__qualname__)
+    ddp._register_builtin_comm_hook = lambda comm_hook_type: refuse_comm_hook(str(comm_hook_type))
     ddp._accumkernels_window = window_ref
     if reclaim is not None and getattr(ddp, "gradient_as_bucket_view", False):
         # Its buckets are never used from here on (it syncs nothing), and it
