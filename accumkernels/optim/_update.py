@@ -290,10 +290,10 @@ class Updater:
         plain ``key`` (an fp32 or bf16 checkpoint's, or one set since the last
         step, as torch code that resets a moment does: it replaces the codes),
         or re-encoded from codes laid out otherwise (the blocks follow the
-        memory order). For an FSDP2
-        param the codes are a DTensor sharded like it and the scales this
-        rank's row of a (W, blocks) DTensor (_fsdp.state8_blocks says why); the
-        kernels get the local shard and the row's first scales."""
+        memory order). For an FSDP2 param the codes are a DTensor sharded like
+        it and the scales this rank's row of a (W, blocks) DTensor
+        (_fsdp.state8_blocks says why); the kernels get the local shard and
+        the row's first scales."""
         like = r.buffer_like()
         blocks = state8.scales_numel(like.numel())
         dtensor = r.param is not r.local
