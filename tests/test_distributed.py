@@ -285,7 +285,7 @@ def test_a_ddp_comm_hook_is_refused_on_every_rank(runs):
         assert len(result["errors"]) == 7
         for case, error in result["errors"].items():
             assert error is not None and "comm hook" in error and "wire_dtype=torch.bfloat16" in error, (case, error)
-        assert "bf16_compress_hook" in result["errors"]["bf16-ddp-first"]
+        assert "fp16_compress_hook" in result["errors"]["fp16-ddp-first"]
         assert "FP16_COMPRESS" in result["errors"]["fp16-builtin-optimizer-first-first"]
         assert result["untouched"]
 
