@@ -338,6 +338,7 @@ def _train(model, opt, batches):
     for x, y in batches:
         F.mse_loss(model(x), y).backward()
         opt.step()
+        opt.zero_grad()
 
 
 PRECISIONS = {
@@ -1034,6 +1035,7 @@ def test_add_param_group_refused_mid_window_and_on_bad_groups_leaves_the_optimiz
     assert len(opt.param_groups) == 1
     # The wrapper goes on as it was.
     for m, o in ((model, opt), twin):
+        o.zero_grad()
         for _ in range(2 if intake == "hooks" else 1):
             F.mse_loss(m(x), y).backward()
             o.step()
