@@ -31,6 +31,7 @@
 //   inbox_expect(inbox, expected)   the gradients that complete each bucket
 //   inbox_drain(inbox) -> [(bucket, [(index, grad), ...]), ...]
 //   inbox_stray(inbox) -> [index, ...]   params whose .grad is not their marker
+//   inbox_remarked(inbox) -> [index, ...]   params whose unset .grad got its marker back since the last call
 //   inbox_release(inbox, index)     the param's hook passes gradients through
 #include <Python.h>
 
@@ -86,6 +87,7 @@ struct Inbox {
   std::vector<Queued> queued;          // bucket -> gradients queued, not yet delivered
   std::vector<uint8_t> arrived;        // param -> got a gradient this micro-step
   std::vector<uint8_t> released;       // param -> its hook passes gradients through
+  std::vector<uint8_t> remarked;       // param -> its unset .grad got the marker back (inbox_remarked)
   std::vector<at::Tensor> params, markers;  // param -> the param and its .grad marker (once hooked)
   std::vector<uint8_t> modes;          // bucket -> FoldMode
   std::vector<at::Tensor> buffers;     // param -> its fp32 buffer (for the folds here; empty: none given)
@@ -97,6 +99,7 @@ struct Inbox {
         queued(expected.size()),
         arrived(count, 0),
         released(count, 0),
+        remarked(count, 0),
         params(count),
         markers(count),
         modes(expected.size(), kDeliver),
@@ -213,13 +216,14 @@ class InboxHook : public torch::autograd::FunctionPreHook {
 
  private:
   // The common case, as the Python hook's fast path decides it (_arrive).
-  bool queueable(const at::Tensor& grad, const Inbox& box) {
+  bool queueable(const at::Tensor& grad, Inbox& box) {
     if (box.arrived[index_] || !grad.defined() || grad.layout() != at::kStrided) return false;
     if (param_.scalar_type() != dtype_ || param_.device() != device_ || grad.device() != device_) return false;
     if (!(contiguous_ && grad.is_contiguous()) && !grad.strides().equals(strides_)) return false;
     at::Tensor& held = param_.mutable_grad();
-    if (!held.defined()) {
+    if (!held.defined()) {  // cleared (model.zero_grad(), .grad = None): step() asks (inbox_remarked)
       held = marker_;
+      box.remarked[index_] = 1;
     } else if (!held.is_same(marker_)) {
       return false;  // a tensor put into .grad by other code: Python takes it in
     }
@@ -506,6 +510,26 @@ PyObject* inbox_stray(PyObject*, PyObject* capsule) {
   return index_list(stray);
 }
 
+// The hooked params whose unset .grad got its marker back here since the last
+// call (each a .grad cleared by other code, model.zero_grad() say), and forget
+// them: step()'s check that the last step's gradients were cleared (HookIntake.uncleared).
+PyObject* inbox_remarked(PyObject*, PyObject* capsule) {
+  auto* inbox = unwrap(capsule);
+  if (inbox == nullptr) return nullptr;
+  Inbox& box = **inbox;
+  std::vector<int64_t> remarked;
+  {
+    std::lock_guard<std::mutex> lock(box.mutex);
+    for (size_t i = 0; i < box.remarked.size(); ++i) {
+      if (box.remarked[i]) {
+        remarked.push_back(static_cast<int64_t>(i));
+        box.remarked[i] = 0;
+      }
+    }
+  }
+  return index_list(remarked);
+}
+
 PyObject* inbox_release(PyObject*, PyObject* args) {
   PyObject* capsule;
   long long index;
@@ -530,6 +554,8 @@ PyMethodDef methods[] = {
     {"inbox_expect", inbox_expect, METH_VARARGS, "inbox_expect(inbox, expected): gradients per bucket"},
     {"inbox_drain", inbox_drain, METH_O, "inbox_drain(inbox): the queued gradients, [(bucket, [(index, grad)])]"},
     {"inbox_stray", inbox_stray, METH_O, "inbox_stray(inbox): the hooked params whose .grad is not their marker"},
+    {"inbox_remarked", inbox_remarked, METH_O,
+     "inbox_remarked(inbox): the params whose unset .grad got its marker back since the last call"},
     {"inbox_release", inbox_release, METH_VARARGS, "inbox_release(inbox, index): pass the param's gradients through"},
     {nullptr, nullptr, 0, nullptr}};
 

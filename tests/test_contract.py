@@ -171,6 +171,103 @@ def test_zero_grad_keeping_zeros_steps_those_params(name, intake):
     assert not torch.equal(plain[0], moved_late[0]), "the case must tell the two modes apart"
 
 
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _train_clearing(opt, model, clear, steps=STEPS, micro=1):
+    """``steps`` windows of ``micro`` backward passes each, ``clear`` after each
+    window's step(); a counted window (accum_steps=N) calls step() after each
+    backward, torch's loop sums loss / ``micro`` (the wrapper's mean)."""
+    gen = torch.Generator().manual_seed(1)
+    counted = getattr(opt, "accum_steps", None) is not None
+    for _ in range(steps):
+        for _ in range(micro):
+            loss = model(torch.randn(4, 5, generator=gen)).pow(2).mean()
+            if counted:
+                loss.backward()
+                opt.step()
+            else:
+                (loss / micro).backward()
+        if not counted:
+            opt.step()
+        if clear is not None:
+            clear(model, opt)
+    return list(model.parameters())
+
+
+# The ways torch.optim's users clear .grad between steps, each applied alike to torch's run.
+CLEARS = {
+    "optimizer.zero_grad()": lambda model, opt: opt.zero_grad(),
+    "optimizer.zero_grad(set_to_none=False)": lambda model, opt: opt.zero_grad(set_to_none=False),
+    "model.zero_grad()": lambda model, opt: model.zero_grad(),
+    "model.zero_grad(set_to_none=False)": lambda model, opt: model.zero_grad(set_to_none=False),
+    "p.grad = None": lambda model, opt: [setattr(p, "grad", None) for p in model.parameters()],
+    "the wrapped optimizer's zero_grad()": lambda model, opt: getattr(opt, "optimizer", opt).zero_grad(),
+}
+
+
+@pytest.mark.parametrize("intake", ["grad", "hooks"])
+@pytest.mark.parametrize("clear", list(CLEARS))
+def test_every_way_of_clearing_grad_between_steps_trains_as_torch(clear, intake):
+    """accum_steps=None: step() is torch.optim's, and each of these clears what
+    the last step used, as in plain PyTorch (intake "hooks" with its native
+    inbox and with its Python hooks: make test-python-hooks)."""
+    model, plain_model = _mlp(), _mlp()
+    opt = ak.AdamW(model.parameters(), **FUSED["AdamW"], intake=intake)
+    if intake == "hooks" and clear == "model.zero_grad(set_to_none=False)":  # .grad.zero_() on its marker
+        with pytest.raises(RuntimeError, match="its .grad holds no values, so zero_"):
+            _train_clearing(opt, model, CLEARS[clear])
+        return
+    ours = _train_clearing(opt, model, CLEARS[clear])
+    plain = _train_clearing(torch.optim.AdamW(plain_model.parameters(), **FUSED["AdamW"]), plain_model, CLEARS[clear])
+    _assert_fused_close(ours, plain)
+
+
+@pytest.mark.parametrize("intake", ["grad", "hooks"])
+@pytest.mark.parametrize("cleared", ["nothing", "the first layer"])
+def test_a_step_on_the_last_steps_uncleared_gradients_is_refused(cleared, intake):
+    """torch.optim steps on what .grad holds, which keeps adding up until it is
+    cleared: a second step() with the first one's gradients uncleared would
+    use them again there. This step() cleared them when it used them, so it
+    refuses, naming the first param still holding one, before anything is
+    touched; once cleared, training goes on as torch's."""
+    clear = None if cleared == "nothing" else (lambda model, opt: model[0].zero_grad())
+    model, plain_model = _mlp(), _mlp()
+    opt = ak.AdamW(model.parameters(), **FUSED["AdamW"], intake=intake)
+    plain_opt = torch.optim.AdamW(plain_model.parameters(), **FUSED["AdamW"])
+    _train_clearing(opt, model, clear, steps=1)
+    _train_clearing(plain_opt, plain_model, clear, steps=1)
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.randn(4, 5)
+    model(x).pow(2).mean().backward()
+    if intake == "grad":  # writes into .grad after the backward (a clip, an unscale) clear nothing
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+    first = 0 if cleared == "nothing" else 2  # model[2].weight: model[0]'s two params were cleared
+    with pytest.raises(RuntimeError, match=rf"nothing cleared since the last step\(\): param {first} "):
+        opt.step()
+    assert all(map(torch.equal, model.parameters(), before)) and opt.micro_steps == 0
+    plain_model(x).pow(2).mean().backward()
+    plain_opt.step()
+    assert not all(map(torch.equal, plain_model.parameters(), before)), "torch steps on the sum: the case must tell"
+
+
+def test_a_counted_window_needs_no_zero_grad():
+    """accum_steps=N: the window is the wrapper's (N step() calls), and its last
+    step() clears the sums: a loop without zero_grad() trains as torch's loop
+    that clears after each window (docs/optimizers.md)."""
+    model, plain_model = _mlp(), _mlp()
+    ours = _train_clearing(ak.AdamW(model.parameters(), **FUSED["AdamW"], accum_steps=2), model, None, micro=2)
+    plain = _train_clearing(
+        torch.optim.AdamW(plain_model.parameters(), **FUSED["AdamW"]),
+        plain_model,
+        CLEARS["optimizer.zero_grad()"],
+        micro=2,
+    )
+    _assert_fused_close(ours, plain)
+
+
 def _mask_rows(params):
     mask = torch.tensor([[1.0], [0.0], [1.0], [0.0]])
     params[0].register_hook(lambda g: g * mask)

@@ -372,6 +372,12 @@ class Intake:
         # has none; intake "grad" shows every buffer as .grad and adds into it.
         self.layout.zero_views(r for r in self.layout if r.index not in self.window.touched)
 
+    def uncleared(self, indices: set[int]) -> set[int]:
+        """Of ``indices`` (params the last step updated with a gradient), those
+        whose ``.grad`` nothing cleared since: a ``.grad`` dropped or replaced,
+        and put back as a gradient arrived, was noted then (window.unzeroed)."""
+        raise NotImplementedError
+
     def after_step(self) -> None:
         """The window's update is done (or skipped)."""
 
@@ -615,6 +621,7 @@ class HookIntake(Intake):
         marker = self._markers[r.index][1]
         existing = r.param.grad
         if existing is not marker:
+            self.window.unzeroed.discard(r.index)  # dropped or replaced: cleared, as in plain PyTorch
             if existing is not None:
                 self._queue(r, existing)
             r.param.grad = marker
@@ -632,6 +639,15 @@ class HookIntake(Intake):
         for bucket in self.layout.buckets:
             if self._pending.get(bucket.index):
                 self._fold(bucket)
+
+    def uncleared(self, indices: set[int]) -> set[int]:
+        """Those still holding their marker (only hooked plain params have one:
+        FSDP2's are not kept in window.unzeroed), unless the native inbox put
+        it back into a cleared ``.grad`` as a gradient arrived."""
+        if self._inbox is not None:
+            indices = indices.difference(_native._C.inbox_remarked(self._inbox))
+        markers = self._markers
+        return {i for i in indices if i in markers and markers[i][0].grad is markers[i][1]}
 
     def check_grads(self) -> None:
         """At step(): every param that got a gradient since the last step()
@@ -753,7 +769,10 @@ class HookIntake(Intake):
             super().restore_sums(sums)
 
     def after_step(self) -> None:
-        """Lean: the window's gradients (or flat buffer) are dropped."""
+        """The inbox forgets which markers it put back (a clear counts for the
+        window after it); lean: the window's gradients (or flat buffer) are dropped."""
+        if self._inbox is not None:
+            _native._C.inbox_remarked(self._inbox)
         if self.lean:
             self.layout.release()
             self._held_unscale = 1.0
@@ -893,6 +912,7 @@ class GradIntake(Intake):
         if grad is not r.buffer and grad is not None:
             # .grad was dropped (model.zero_grad()) or replaced: autograd made a
             # new one; it starts this param's sum over, as it would in plain PyTorch.
+            self.window.unzeroed.discard(r.index)
             self._check_shape(r, grad)
             _copy_into(r.buffer, grad)
             r.param.grad = r.buffer
@@ -944,6 +964,20 @@ class GradIntake(Intake):
                 self.window.touched.add(r.index)
             self.set_grad(r, r.buffer)
         self._account_writes()  # (the writes above are the intake's own)
+
+    def uncleared(self, indices: set[int]) -> set[int]:
+        """Those whose ``.grad`` is still their buffer, unless something but
+        autograd wrote into the buffers before this window's gradients or, in
+        a window without any, since the last step (a write in place,
+        ``model.zero_grad(set_to_none=False)``'s say, may have cleared any).
+        Writes after the window's backward (GradScaler's unscale, a clip)
+        clear nothing."""
+        if self._unseen_write:
+            return set()
+        if not self.window.grads_since_step and self.layout.flat._version != self._seen_version:
+            return set()
+        records = self.layout.records
+        return {i for i in indices if records[i].param.grad is records[i].buffer}
 
     def _take_written(self) -> None:
         """A gradient written into ``.grad`` in place, not by autograd

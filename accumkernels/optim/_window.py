@@ -66,6 +66,11 @@ class Window:
         # sets them to None.
         self.had_grad: set[int] = set()  # params with a gradient since the last zero_grad(set_to_none=True)
         self.zero_grads: set[int] = set()  # params whose .grad plain PyTorch would hold as zeros
+        # Params the last window's step updated with a gradient that nothing has
+        # cleared since (no zero_grad(); .grad neither dropped nor replaced):
+        # plain PyTorch's .grad would still hold it, and its next step() would
+        # use it again. Kept where step() is torch.optim's (accum_steps=None).
+        self.unzeroed: set[int] = set()
         self.clear()
 
     def clear(self) -> None:
@@ -84,6 +89,7 @@ class Window:
 
     def zero_grad(self, set_to_none: bool) -> None:
         """Record a zero_grad() call, in torch.optim's meaning."""
+        self.unzeroed.clear()
         if set_to_none:
             self.had_grad.clear()
             self.zero_grads.clear()
@@ -95,6 +101,7 @@ class Window:
         old index still held to its new one; the params no longer held are forgotten."""
         self.had_grad = {indices[i] for i in self.had_grad if i in indices}
         self.zero_grads = {indices[i] for i in self.zero_grads if i in indices}
+        self.unzeroed = {indices[i] for i in self.unzeroed if i in indices}
 
     def window_seed(self) -> int:
         """The stochastic rounding seed of the current window: a new one every
@@ -208,4 +215,5 @@ class Window:
         self.divisor = saved.get("divisor", 1.0)
         self.had_grad = set(saved.get("had_grad", ()))
         self.zero_grads = set(saved.get("zero_grads", ()))
+        self.unzeroed = set()  # (the loaded window's .grad is what the loading code left there)
         self.grads_since_step = False

@@ -417,6 +417,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         ends_window = self.accum_steps is None or window.micro_steps + 1 >= self.accum_steps
         self._check_param_groups(every_param=ends_window)
         self._refuse_several_backwards()
+        if window.unzeroed:
+            self._refuse_uncleared_grads()
         window.count_items(num_items, ends_window)
         intake = self._intake
         intake.meet_scaler(self, ends_window)
@@ -617,6 +619,25 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if every_param:
             check_groups(self.optimizer, self._arguments["state_dtype"])
 
+    def _refuse_uncleared_grads(self) -> None:
+        """accum_steps=None, where step() is torch.optim's: torch.optim steps on
+        whatever ``.grad`` holds, which keeps adding up until it is cleared, so
+        with nothing cleared since the last step() (no ``zero_grad()`` of the
+        optimizer or the model, no ``.grad = None``) it would step on the last
+        window's gradients again, added to this one's. This step cleared them
+        when it used them: refused, before anything is counted or touched."""
+        window = self._window
+        window.unzeroed = self._intake.uncleared(window.unzeroed)
+        if window.unzeroed:
+            first, more = min(window.unzeroed), len(window.unzeroed) - 1
+            raise RuntimeError(
+                f"step() again with nothing cleared since the last step(): param {first}"
+                f"{f' (and {more} more)' if more else ''} still has the gradient the last step() used (no "
+                "optimizer.zero_grad(), model.zero_grad() or .grad = None since). torch.optim would step on it "
+                "again, added to any new one; this optimizer's step() cleared it when it used it. Call "
+                "optimizer.zero_grad() after each step() (or before each backward), as torch.optim's loops do"
+            )
+
     def _refuse_during_reduction(self, what: str) -> None:
         if self._sync.started:
             raise RuntimeError(
@@ -652,5 +673,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._intake.after_step()
         self._sync.after_step()
         self._updater.note_params(records)
+        if self.accum_steps is None and not self._fsdp:
+            # (FSDP2 gives each param a new sharded .grad: a model.zero_grad() would leave no trace.)
+            window.unzeroed = set(window.touched)
         window.windows += 1
         window.clear()
