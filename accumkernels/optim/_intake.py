@@ -627,6 +627,7 @@ class HookIntake(Intake):
             r.param.grad = marker
 
     def _take_late(self, r: ParamRecord) -> None:
+        self.window.unzeroed.discard(r.index)  # a .grad assigned by other code replaced the last one
         self._queue(r, r.local_grad())
         if r.local_of is None:
             r.param.grad = self._markers[r.index][1]
@@ -962,6 +963,7 @@ class GradIntake(Intake):
                 self._check_shape(r, grad)
                 _copy_into(r.buffer, grad)
                 self.window.touched.add(r.index)
+            self.window.unzeroed.discard(r.index)  # dropped or replaced: cleared, as in plain PyTorch
             self.set_grad(r, r.buffer)
         self._account_writes()  # (the writes above are the intake's own)
 
