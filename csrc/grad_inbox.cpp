@@ -492,42 +492,41 @@ PyObject* inbox_drain(PyObject*, PyObject* capsule) {
   return pair_list(taken, wrap_queued);
 }
 
-// The hooked params whose .grad is not their marker (None included): the
-// only ones step()'s check of .grad must look at (HookIntake.check_grads).
-PyObject* inbox_stray(PyObject*, PyObject* capsule) {
+// The indices i of the inbox's params for which pick(box, i) holds, taken
+// under its lock (pick may update the entry it picks): the one scan behind
+// inbox_stray and inbox_remarked.
+template <typename Pick>
+PyObject* indices_where(PyObject* capsule, Pick pick) {
   auto* inbox = unwrap(capsule);
   if (inbox == nullptr) return nullptr;
   Inbox& box = **inbox;
-  std::vector<int64_t> stray;
+  std::vector<int64_t> picked;
   {
     std::lock_guard<std::mutex> lock(box.mutex);
     for (size_t i = 0; i < box.params.size(); ++i) {
-      if (box.params[i].defined() && !box.released[i] && !box.params[i].grad().is_same(box.markers[i])) {
-        stray.push_back(static_cast<int64_t>(i));
-      }
+      if (pick(box, i)) picked.push_back(static_cast<int64_t>(i));
     }
   }
-  return index_list(stray);
+  return index_list(picked);
+}
+
+// The hooked params whose .grad is not their marker (None included): the
+// only ones step()'s check of .grad must look at (HookIntake.check_grads).
+PyObject* inbox_stray(PyObject*, PyObject* capsule) {
+  return indices_where(capsule, [](Inbox& box, size_t i) {
+    return box.params[i].defined() && !box.released[i] && !box.params[i].grad().is_same(box.markers[i]);
+  });
 }
 
 // The hooked params whose unset .grad got its marker back here since the last
 // call (each a .grad cleared by other code, model.zero_grad() say), and forget
 // them: step()'s check that the last step's gradients were cleared (HookIntake.uncleared).
 PyObject* inbox_remarked(PyObject*, PyObject* capsule) {
-  auto* inbox = unwrap(capsule);
-  if (inbox == nullptr) return nullptr;
-  Inbox& box = **inbox;
-  std::vector<int64_t> remarked;
-  {
-    std::lock_guard<std::mutex> lock(box.mutex);
-    for (size_t i = 0; i < box.remarked.size(); ++i) {
-      if (box.remarked[i]) {
-        remarked.push_back(static_cast<int64_t>(i));
-        box.remarked[i] = 0;
-      }
-    }
-  }
-  return index_list(remarked);
+  return indices_where(capsule, [](Inbox& box, size_t i) {
+    const bool remarked = box.remarked[i] != 0;
+    box.remarked[i] = 0;
+    return remarked;
+  });
 }
 
 PyObject* inbox_release(PyObject*, PyObject* args) {
