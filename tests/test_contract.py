@@ -230,9 +230,10 @@ def test_every_way_of_clearing_grad_between_steps_trains_as_torch(clear, intake)
 def test_a_step_on_the_last_steps_uncleared_gradients_is_refused(cleared, intake):
     """torch.optim steps on what .grad holds, which keeps adding up until it is
     cleared: a second step() with the first one's gradients uncleared would
-    use them again there. This step() cleared them when it used them, so it
-    refuses, naming the first param still holding one, before anything is
-    touched; once cleared, training goes on as torch's."""
+    use them again there. This one refuses, naming the first param still
+    holding one, before anything is
+    touched (intake "hooks" cleared them when it used them; a loop seldom means
+    to step twice on one gradient)."""
     clear = None if cleared == "nothing" else (lambda model, opt: model[0].zero_grad())
     model, plain_model = _mlp(), _mlp()
     opt = ak.AdamW(model.parameters(), **FUSED["AdamW"], intake=intake)
@@ -251,6 +252,138 @@ def test_a_step_on_the_last_steps_uncleared_gradients_is_refused(cleared, intake
     plain_model(x).pow(2).mean().backward()
     plain_opt.step()
     assert not all(map(torch.equal, plain_model.parameters(), before)), "torch steps on the sum: the case must tell"
+
+
+def _step_pair(intake, ops):
+    """The same loop on _mlp() under ours (accum_steps=None) and torch's AdamW:
+    ``ops`` name each call ("backward", "step", "zero_grad", "zero_grad(False)",
+    "model.zero_grad", "model.zero_grad(False)", "p0 = None", "p0.zero_()",
+    "p2 = 0.5", "reload", "norm": the clip_grad_norm_ of the grads, logged)."""
+    runs = []
+    for make in (lambda ps: ak.AdamW(ps, **FUSED["AdamW"], intake=intake), _torch("AdamW")):
+        model = _mlp()
+        opt, gen, norms = make(model.parameters()), torch.Generator().manual_seed(3), []
+        params = list(model.parameters())
+        for op in ops:
+            if op == "backward":
+                model(torch.randn(4, 5, generator=gen)).pow(2).mean().backward()
+            elif op == "step":
+                opt.step()
+            elif op.startswith("zero_grad"):
+                opt.zero_grad(set_to_none=op == "zero_grad")
+            elif op.startswith("model.zero_grad"):
+                model.zero_grad(set_to_none=op == "model.zero_grad")
+            elif op == "p0 = None":
+                params[0].grad = None
+            elif op == "p0.zero_()":
+                params[0].grad.zero_()
+            elif op == "p2 = 0.5":
+                params[2].grad = torch.full_like(params[2], 0.5)
+            elif op == "reload":
+                opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+            elif op == "norm":
+                norms.append(torch.nn.utils.clip_grad_norm_(params, 1e9).item())
+        runs.append((params, norms))
+    (ours, our_norms), (plain, plain_norms) = runs
+    _assert_fused_close(ours, plain, steps=ops.count("step"))
+    assert our_norms == pytest.approx(plain_norms, rel=1e-6), "a norm of .grad differs from torch's"
+    return our_norms
+
+
+def test_grad_after_step_holds_what_torchs_holds():
+    """accum_steps=None, intake "grad": step() leaves .grad holding the
+    gradient it used, as torch.optim's does, until it is cleared, so a norm
+    logged (or clipped) after step() is torch's, not 0; a zero_grad() clears
+    it, in place too."""
+    norms = _step_pair("grad", ["backward", "step", "norm", "zero_grad", "norm", "backward", "step", "norm"])
+    assert norms[0] > 0 and norms[1] == 0 and norms[2] > 0
+    _step_pair("grad", ["backward", "step", "zero_grad(False)", "norm", "backward", "backward", "step", "norm"])
+    _step_pair("grad", ["backward", "step", "model.zero_grad", "norm", "backward", "step", "norm", "zero_grad"])
+
+
+@pytest.mark.parametrize(
+    "ops",
+    [
+        # in torch every param whose .grad is a tensor is stepped, zeros included
+        ["backward", "step", "model.zero_grad(False)", "step"],
+        ["backward", "step", "zero_grad(False)", "step"],
+        # ... and not one set to None since, even after zero_grad(set_to_none=False)
+        ["backward", "step", "zero_grad(False)", "p0 = None", "step"],
+        ["backward", "p0 = None", "zero_grad(False)", "step"],
+        ["backward", "zero_grad(False)", "p0 = None", "step"],
+        # a .grad assigned by hand is a gradient: zero_grad(set_to_none=False) keeps it as zeros, zero_grad() drops it
+        ["p2 = 0.5", "zero_grad(False)", "step"],
+        ["p2 = 0.5", "zero_grad", "step"],
+        # one param cleared in place after a step, the others uncleared: they step on their old gradient again
+        ["backward", "step", "p0.zero_()", "step"],
+        # .grad dropped between two backwards: the first one's gradient is discarded
+        ["backward", "model.zero_grad", "backward", "step"],
+        ["backward", "p0 = None", "backward", "step"],
+    ],
+    ids=lambda ops: ", ".join(ops),
+)
+def test_which_params_step_follows_what_grad_holds(ops):
+    """accum_steps=None, intake "grad": torch.optim steps exactly the params
+    whose .grad is a tensor, with what it holds; every way of clearing,
+    keeping zeros, dropping or assigning it is followed as torch follows it."""
+    _step_pair("grad", ops)
+
+
+@pytest.mark.parametrize(
+    "ops,names",
+    [
+        (["backward", "model.zero_grad", "backward", "step"], "set to None after its backward"),
+        (["backward", "p0 = None", "step"], "param 0's .grad was set to None after its backward"),
+        (["backward", "p2 = 0.5", "step"], "param 2's .grad was replaced after its backward"),
+    ],
+    ids=["model.zero_grad between two backwards", ".grad = None before step", ".grad replaced before step"],
+)
+def test_hooks_refuse_a_grad_dropped_or_replaced_after_its_backward(ops, names):
+    """Intake "hooks" folds each gradient as it arrives: a .grad dropped or
+    replaced before step() (torch would discard that gradient) is refused at
+    the next gradient or at step(), with the Python hooks too."""
+    model = _mlp()
+    opt = ak.AdamW(model.parameters(), **FUSED["AdamW"], intake="hooks")
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=names):
+        for op in ops:
+            if op == "backward":
+                model(torch.randn(4, 5)).pow(2).mean().backward()
+            elif op == "model.zero_grad":
+                model.zero_grad()
+            elif op == "p0 = None":
+                model[0].weight.grad = None
+            elif op == "p2 = 0.5":
+                model[2].weight.grad = torch.full_like(model[2].weight, 0.5)
+            else:
+                opt.step()
+    assert all(map(torch.equal, model.parameters(), before))
+
+
+@pytest.mark.parametrize("intake", ["grad", "hooks"])
+@pytest.mark.parametrize("old_checkpoint", [False, True], ids=["", "checkpoint without grads_since_step"])
+def test_zero_grad_after_loading_a_checkpoint_saved_after_backward(intake, old_checkpoint):
+    """A state dict saved between a backward and step() holds that backward's
+    gradients as the current micro-step's: a zero_grad() after loading it
+    discards them (intake "grad", as torch would) or is refused (intake
+    "hooks", as without the reload), as before the save."""
+    model = _mlp()
+    opt = ak.AdamW(model.parameters(), **FUSED["AdamW"], intake=intake)
+    model(torch.randn(4, 5)).pow(2).mean().backward()
+    saved = copy.deepcopy(opt.state_dict())
+    if old_checkpoint:
+        del saved["accumkernels"]["grads_since_step"]
+    opt.load_state_dict(saved)
+    if intake == "hooks":
+        with pytest.raises(RuntimeError, match=r"zero_grad\(\) between a backward and step\(\)"):
+            opt.zero_grad()
+        return
+    opt.zero_grad()
+    assert torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item() == 0
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert all(map(torch.equal, model.parameters(), before)), "no gradient: nothing to step"
+    _step_pair(intake, ["backward", "reload", "zero_grad", "norm", "backward", "step"])
 
 
 def test_a_counted_window_needs_no_zero_grad():

@@ -7,7 +7,7 @@ with the same run holding the buffer (the wrapper forced to keep one):
 precisions, SGD and AdamW, clipping, GradScaler, skip_nonfinite,
 zero_grad(set_to_none=False), the fallback optimizer, checkpoints mid-window
 both ways, and the windows that must sum after all (a gradient assigned to
-``.grad`` beside the hook's, one of another dtype)."""
+``.grad`` before the backward, which adds to it; one of another dtype)."""
 
 from __future__ import annotations
 
@@ -255,9 +255,9 @@ def test_a_checkpoint_between_backward_and_step_resumes_bitwise(backend, saved_b
 
 
 def test_a_window_that_sums_gets_the_buffer_for_that_window(backend, monkeypatch):
-    """A gradient assigned to .grad beside the hook's (a second gradient of
-    the window) is summed in fp32 as with the buffer; the buffer is dropped
-    after that window's step."""
+    """A gradient assigned to .grad before the backward (which adds to it, as
+    in plain PyTorch: a second gradient of the window) is summed in fp32 as
+    with the buffer; the buffer is dropped after that window's step."""
 
     def make():
         model = _model(torch.bfloat16)
@@ -265,9 +265,9 @@ def test_a_window_that_sums_gets_the_buffer_for_that_window(backend, monkeypatch
 
     def run(model, opt):
         _windows(model, opt, n=1)
-        _loss(model, 1).backward()
         w = model[0].weight
-        w.grad = torch.full_like(w, 1e-3)  # taken in at step(), beside the hook's gradient
+        w.grad = torch.full_like(w, 1e-3)  # taken in at the backward, beside the hook's gradient
+        _loss(model, 1).backward()
         opt.step()
         opt.zero_grad()
         if opt._intake.lean:

@@ -27,7 +27,11 @@ raises, naming what to use instead, wherever code tries to read it.
 new gradient into it in place. Code that reads or edits ``.grad`` after
 backward (framework clipping, ``GradScaler.unscale_``, norm logging) works on
 the window's true sum. A marker hook per param records which params got a
-gradient. The step clears the buffers (``zero_buffers=True``).
+gradient. With ``accum_steps=N`` the step clears the buffers
+(``zero_buffers=True``); with ``accum_steps=None``, where step() is
+torch.optim's, ``.grad`` keeps the gradient the step used until it is
+cleared (``zero_grad()``, ``.grad = None``), as torch.optim's does: code
+that reads it after step() (a logged norm) reads what torch would.
 
 Both count the gradients each param receives between step() calls: with
 ``accum_steps=N`` a step() call is one micro-step, and a second backward
@@ -381,6 +385,11 @@ class Intake:
     def after_step(self) -> None:
         """The window's update is done (or skipped)."""
 
+    def collect(self) -> None:
+        """Before zero_grad(): gradients other code put into ``.grad`` since
+        (written in place, assigned) join the window, so that the clear
+        counts them (``set_to_none=False`` keeps them as zeros)."""
+
 
 class HookIntake(Intake):
     name = "hooks"
@@ -557,6 +566,8 @@ class HookIntake(Intake):
             self.repeated = (count, index)
         param = r.param
         if param.grad is not r.marker:
+            if count > 1:
+                self._refuse_discarded(index, param.grad)
             self._install_marker(r)
         # Autograd checked the gradient against the param (shape, dtype, device)
         # before this hook; what is left to check is that the param is still
@@ -614,6 +625,19 @@ class HookIntake(Intake):
         self._check_arriving(r, grad)
         self._pending.setdefault(r.bucket.index, []).append((r, self._laid_out(r, grad)))
 
+    @staticmethod
+    def _refuse_discarded(index: int, grad: torch.Tensor | None) -> None:
+        """A param's ``.grad`` was cleared or replaced after a gradient of this
+        micro-step arrived, found at step() or at the param's next gradient
+        (``model.zero_grad()`` between a backward and step(), or between two
+        backwards): plain PyTorch would have discarded that gradient, which is folded."""
+        raise RuntimeError(
+            f"param {index}'s .grad was {'set to None' if grad is None else 'replaced'} after its backward, before "
+            "step() (e.g. model.zero_grad() between a backward and opt.step(), or between two backwards): in plain "
+            "PyTorch that discards the gradient, but intake='hooks' has folded it into the window already. Call "
+            "zero_grad() after step() (or before the backward), or use intake='grad'"
+        )
+
     def _install_marker(self, r: ParamRecord) -> None:
         """``.grad`` becomes (or stays) the marker. A tensor found there instead
         was put there by other code since (a pipeline schedule's manual
@@ -664,15 +688,13 @@ class HookIntake(Intake):
             markers = {i: markers[i] for i in _native._C.inbox_stray(self._inbox)}
         for index, (param, marker) in markers.items():
             grad = param.grad
-            if grad is marker or grad is None and index not in self.arrivals:
+            if grad is marker:
                 continue
-            if grad is None:
-                raise RuntimeError(
-                    f"param {index}'s .grad was set to None between its backward and step() (e.g. "
-                    "model.zero_grad() before opt.step()): in plain PyTorch that discards the gradient, but "
-                    "intake='hooks' has folded it into the window already. Call zero_grad() after step() (or before "
-                    "the backward), or use intake='grad'"
-                )
+            if index in self.arrivals:
+                self._refuse_discarded(index, grad)
+            if grad is None:  # no gradient, as in plain PyTorch: not stepped (nor with a zero gradient)
+                self.window.forget_grad(index)
+                continue
             if param.requires_grad:
                 self._take_late(self.layout.records[index])
 
@@ -844,12 +866,15 @@ class HookIntake(Intake):
 class GradIntake(Intake):
     name = "grad"
     exposes_buffers = True
-    zero_buffers_at_step = True
 
     def __init__(self, *args, **kwargs) -> None:
         self._grad_dtypes = {}  # (before anything close() gives back)
         super().__init__(*args, **kwargs)
         self._reduction_queued = False
+        # accum_steps=None: the buffers keep the gradients a step used (the
+        # params in _used), as torch.optim's .grad does, until a clear.
+        self.zero_buffers_at_step = self.accum_steps is not None
+        self._used: set[int] = set()
         low = [r for r in self.layout if r.param.dtype != torch.float32]
         if low and not hasattr(low[0].param, "grad_dtype"):
             raise RuntimeError(
@@ -956,13 +981,17 @@ class GradIntake(Intake):
             if grad is r.buffer or (grad is None and not r.param.requires_grad):
                 continue
             if grad is None:
-                if r.index in self.window.touched:  # dropped mid-window: its sum is discarded
+                if r.index in self.window.touched or r.index in self._used:  # dropped: its sum is discarded
                     r.buffer.zero_()
                     self.window.touched.discard(r.index)
+                    self._used.discard(r.index)
+                self.window.forget_grad(r.index)  # no gradient, as in plain PyTorch: not stepped
             else:
                 self._check_shape(r, grad)
                 _copy_into(r.buffer, grad)
                 self.window.touched.add(r.index)
+                self.window.grads_since_step = True
+                self._used.discard(r.index)
             self.window.unzeroed.discard(r.index)  # dropped or replaced: cleared, as in plain PyTorch
             self.set_grad(r, r.buffer)
         self._account_writes()  # (the writes above are the intake's own)
@@ -1016,20 +1045,32 @@ class GradIntake(Intake):
         self._seen_version, self._unseen_write = self.layout.flat._version, False
 
     def after_step(self) -> None:
-        """The window's own writes into the buffers (unscaling, zeroing) are accounted for."""
+        """The window's own writes into the buffers (unscaling, zeroing) are
+        accounted for; unless the step cleared them, its params' buffers hold
+        the gradient it used."""
+        if not self.zero_buffers_at_step:
+            self._used |= self.window.touched
         self._account_writes()
 
-    def zero_grad(self) -> None:
-        """As ``optimizer.zero_grad()`` in plain PyTorch: gradients that no
-        ``step()`` took yet (e.g. of a window a GradScaler skipped) are
-        discarded (those written into ``.grad`` in place too); right after a
-        step there is nothing to discard."""
-        self._take_written()
-        if self.window.grads_since_step:
-            self.layout.zero_views(self.layout.records[i] for i in self.window.touched)
-            self.window.clear()
-            self._account_writes()
+    def restore_sums(self, sums: torch.Tensor | None) -> None:
+        super().restore_sums(sums)
+        self._used.clear()  # (every buffer was written, by the intake itself)
+        self._account_writes()
+
+    def collect(self) -> None:
         self.flush()
+
+    def zero_grad(self) -> None:
+        """As ``optimizer.zero_grad()`` in plain PyTorch: the gradients the last
+        step used, and those that no ``step()`` took yet (e.g. of a window a
+        GradScaler skipped), are discarded (those written into ``.grad`` in
+        place or assigned too: collect()): every buffer holds zeros after it."""
+        if self.window.grads_since_step or self._used:
+            self.layout.zero_all()
+            self._used.clear()
+            if self.window.grads_since_step:
+                self.window.clear()
+            self._account_writes()
 
     def set_grad(self, r: ParamRecord, grad: torch.Tensor | None) -> None:
         """Set ``.grad`` to a tensor of the param's own dtype (the fallback

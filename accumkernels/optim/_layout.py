@@ -302,6 +302,14 @@ class Layout:
                 a, z = max(lo, r.offset), min(hi, r.offset + r.numel)
                 r.shard = (a - r.offset, z - r.offset) if a < z else (0, 0)
 
+    def zero_all(self) -> None:
+        """Every window sum becomes zeros: the flat buffer in one pass, and
+        any view moved out of it (``aliased``)."""
+        self.flat.zero_()
+        for r in self.records:
+            if not self.aliased(r):
+                r.buffer.zero_()
+
     def zero_views(self, records) -> None:
         """The records' window sums become zeros (without a flat buffer: a zero
         gradient of the param's dtype, laid out as its view)."""

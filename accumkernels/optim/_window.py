@@ -96,6 +96,13 @@ class Window:
         else:
             self.zero_grads = self.had_grad | self.touched | self.zero_grads
 
+    def forget_grad(self, index: int) -> None:
+        """Param ``index``'s ``.grad`` was found None with no gradient in the
+        window (``p.grad = None``): torch.optim skips it, even after a
+        ``zero_grad(set_to_none=False)``, until a gradient arrives."""
+        self.had_grad.discard(index)
+        self.zero_grads.discard(index)
+
     def renumber(self, indices: dict[int, int]) -> None:
         """The params were laid out anew between windows: ``indices`` maps each
         old index still held to its new one; the params no longer held are forgotten."""
@@ -188,6 +195,7 @@ class Window:
             "divisor": self.divisor,
             "had_grad": sorted(self.had_grad),
             "zero_grads": sorted(self.zero_grads),
+            "grads_since_step": self.grads_since_step,
         }
 
     def check_state_dict(self, saved: dict, param_count: int) -> None:
@@ -215,5 +223,10 @@ class Window:
         self.divisor = saved.get("divisor", 1.0)
         self.had_grad = set(saved.get("had_grad", ()))
         self.zero_grads = set(saved.get("zero_grads", ()))
-        self.unzeroed = set()  # (the loaded window's .grad is what the loading code left there)
-        self.grads_since_step = False
+        # (unzeroed stays: loading an optimizer's state clears no .grad in torch.optim,
+        # so a step() with the last step's gradients uncleared is still refused)
+        # Saved between a backward and its step(), the window's gradients are still
+        # the current micro-step's: a zero_grad() discards them (intake "grad") or is
+        # refused ("hooks"), as before the save. (Checkpoints without the entry:
+        # with no completed micro-step, any gradient of the window arrived since the last step().)
+        self.grads_since_step = bool(saved.get("grads_since_step", self.micro_steps == 0 and self.touched))

@@ -383,6 +383,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         ``set_to_none=False`` has torch.optim's meaning in both: the params that
         had a gradient keep a zero one, and the following windows step them
         (momentum and weight decay go on) until ``zero_grad()`` sets it to None."""
+        self._intake.collect()  # (a gradient written or assigned into .grad since counts: then it is cleared)
         self._window.zero_grad(set_to_none)
         self._intake.zero_grad()
 
@@ -624,8 +625,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         whatever ``.grad`` holds, which keeps adding up until it is cleared, so
         with nothing cleared since the last step() (no ``zero_grad()`` of the
         optimizer or the model, no ``.grad = None``) it would step on the last
-        window's gradients again, added to this one's. This step cleared them
-        when it used them: refused, before anything is counted or touched."""
+        window's gradients again, added to this one's. Intake "hooks" cleared
+        them when it used them, and a loop seldom means to step twice on one
+        gradient: refused, before anything is counted or touched."""
         window = self._window
         window.unzeroed = self._intake.uncleared(window.unzeroed)
         if window.unzeroed:
@@ -634,7 +636,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 f"step() again with nothing cleared since the last step(): param {first}"
                 f"{f' (and {more} more)' if more else ''} still has the gradient the last step() used (no "
                 "optimizer.zero_grad(), model.zero_grad() or .grad = None since). torch.optim would step on it "
-                "again, added to any new one; this optimizer's step() cleared it when it used it. Call "
+                "again, added to any new one, which a loop seldom means: this optimizer refuses it. Call "
                 "optimizer.zero_grad() after each step() (or before each backward), as torch.optim's loops do"
             )
 
@@ -653,7 +655,12 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._intake.report_window(self, found_inf)
         # Params whose .grad zero_grad(set_to_none=False) kept as zeros are
         # stepped too, with a zero gradient (intake "hooks" overwrites a buffer
-        # at its first gradient, so an untouched one may hold an old sum).
+        # at its first gradient, so an untouched one may hold an old sum). Where
+        # step() is torch.optim's, so is every param whose .grad torch would
+        # hold as a tensor: a gradient since the last zero_grad(set_to_none=True)
+        # and no .grad = None since (cleared in place, model.zero_grad(set_to_none=False)).
+        if self.accum_steps is None and not self._fsdp:
+            window.zero_grads |= window.had_grad
         self._layout.zero_views(self._layout.records_of(window.zero_grads - window.touched))
         records = self._layout.records_of(window.stepped_params())
         window.had_grad |= window.touched
