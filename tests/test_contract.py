@@ -330,6 +330,24 @@ def test_which_params_step_follows_what_grad_holds(ops):
 
 
 @pytest.mark.parametrize(
+    "ops",
+    [
+        ["backward", "step", "zero_grad(False)", "step"],
+        ["backward", "step", "zero_grad(False)", "p0 = None", "step"],
+        ["p2 = 0.5", "zero_grad(False)", "step"],
+        ["p2 = 0.5", "zero_grad", "step"],
+        ["p2 = 0.5", "step"],
+    ],
+    ids=lambda ops: ", ".join(ops),
+)
+def test_which_params_step_follows_what_grad_holds_with_hooks(ops):
+    """The same with intake "hooks", where .grad holds a marker once a
+    gradient is folded: a .grad assigned by hand is a gradient, kept as zeros
+    by zero_grad(set_to_none=False), dropped by zero_grad()."""
+    _step_pair("hooks", ops)
+
+
+@pytest.mark.parametrize(
     "ops,names",
     [
         (["backward", "model.zero_grad", "backward", "step"], "set to None after its backward"),

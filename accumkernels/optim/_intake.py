@@ -814,18 +814,32 @@ class HookIntake(Intake):
             )
         self.flush()
         # A .grad no hook took (left from before wrapping, or assigned) is
-        # dropped, as in plain PyTorch. The inbox lists the hooked params whose
-        # .grad is not their marker; the params without a hook are looked at too.
+        # cleared, as in plain PyTorch: dropped, or with set_to_none=False (the
+        # param is in window.zero_grads: collect()) kept as a zero gradient,
+        # which the marker stands for (the step zeroes its buffer).
+        zeros = self.window.zero_grads
+        for r in self._assigned():
+            marker = self._markers.get(r.index)
+            r.param.grad = marker[1] if marker is not None and r.index in zeros else None
+
+    def collect(self) -> None:
+        """A .grad no hook took is a gradient: zero_grad(set_to_none=False) keeps it."""
+        self.window.had_grad.update(r.index for r in self._assigned())
+
+    def _assigned(self) -> list[ParamRecord]:
+        """The plain params whose .grad is a tensor no hook took (left from
+        before wrapping, or assigned). The inbox lists the hooked params whose
+        .grad is not their marker; the params without a hook are looked at too."""
         candidates = self.layout.records
         if self._inbox is not None and self._handles:
             candidates = [*(candidates[i] for i in _native._C.inbox_stray(self._inbox)), *self._unhooked]
-        for r in candidates:
-            if (
-                r.local_of is None
-                and r.param.grad is not None
-                and r.param.grad is not self._markers.get(r.index, (0, 0))[1]
-            ):
-                r.param.grad = None
+        return [
+            r
+            for r in candidates
+            if r.local_of is None
+            and r.param.grad is not None
+            and r.param.grad is not self._markers.get(r.index, (0, 0))[1]
+        ]
 
     def set_grad(self, r: ParamRecord, grad: torch.Tensor | None) -> None:
         """``.grad`` for the fallback optimizer's step, then back to the marker (None under FSDP2)."""
