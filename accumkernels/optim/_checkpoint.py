@@ -305,11 +305,16 @@ def load(wrapper, state_dict: dict) -> None:
     check_masters(wrapper, carried, every=False)
     wrapper.optimizer.load_state_dict(state_dict)
     load_state_in_its_dtype(wrapper, state_dict)
-    wrapper._window.clear()
-    if extra is not None:
+    if extra is not None and (extra["flat_buffer"] is not None or extra["micro_steps"] or extra["touched"]):
+        # Saved mid-window: the window in progress becomes the checkpoint's, its sums included.
+        wrapper._window.clear()
         wrapper._window.load_state_dict(extra)
-    # None: saved at a window boundary, or a plain optimizer's checkpoint: the window starts empty, its buffers too
-    wrapper._intake.restore_sums(None if extra is None else extra["flat_buffer"])
+        wrapper._intake.restore_sums(extra["flat_buffer"])
+    elif extra is not None:
+        # Saved at a window boundary (or a plain optimizer's checkpoint: no entry): it holds no
+        # gradients, and the window in progress keeps its own (.grad, the buffers), as a
+        # torch.optim load leaves .grad as it is; the run's window count and seed are the checkpoint's.
+        wrapper._window.load_run(extra)
     masters = carried if extra is None else extra["master_weights"]
     for r in wrapper._layout:  # master weights: the checkpoint's, or the (already loaded) params'
         if r.master is None:

@@ -210,6 +210,13 @@ class Window:
         if not (isinstance(saved["micro_steps"], int) and saved["micro_steps"] >= 0):
             raise ValueError(f"checkpoint window has micro_steps={saved['micro_steps']!r}")
 
+    def load_run(self, saved: dict) -> None:
+        """Of a checkpoint saved at a window boundary, what is the run's, not
+        the window's: the windows ended so far and the seed (the stochastic
+        rounding stream goes on from them)."""
+        self.windows = saved.get("windows", 0)
+        self.seed = saved.get("seed", self.seed)
+
     def load_state_dict(self, saved: dict) -> None:
         self.touched = set(saved["touched"])
         self.micro_steps = saved["micro_steps"]
