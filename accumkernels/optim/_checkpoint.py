@@ -305,8 +305,9 @@ def load(wrapper, state_dict: dict) -> None:
     check_masters(wrapper, carried, every=False)
     wrapper.optimizer.load_state_dict(state_dict)
     load_state_in_its_dtype(wrapper, state_dict)
-    if extra is not None and (extra["flat_buffer"] is not None or extra["micro_steps"] or extra["touched"]):
-        # Saved mid-window: the window in progress becomes the checkpoint's, its sums included.
+    if extra is not None and extra["flat_buffer"] is not None:
+        # Saved mid-window (state_dict() keeps sums only there): the window in
+        # progress becomes the checkpoint's, its sums included.
         wrapper._window.clear()
         wrapper._window.load_state_dict(extra)
         wrapper._intake.restore_sums(extra["flat_buffer"])

@@ -364,12 +364,9 @@ class Intake:
         """The window's sums as a checkpoint keeps them: a copy of the flat buffer."""
         return self.layout.flat.clone()
 
-    def restore_sums(self, sums: torch.Tensor | None) -> None:
-        """A checkpoint's flat buffer, or None (a window that starts empty),
-        after the window's own state (``touched``) is loaded."""
-        if sums is None:
-            self.layout.flat.zero_()
-            return
+    def restore_sums(self, sums: torch.Tensor) -> None:
+        """A mid-window checkpoint's flat buffer, after the window's own state
+        (``touched``) is loaded."""
         self.layout.flat.copy_(sums)
         # Intake "hooks" overwrites a buffer at a param's first gradient of a
         # window, so a checkpoint it saved may hold old sums where the window
@@ -781,15 +778,11 @@ class HookIntake(Intake):
             return super().saved_sums()
         return self.layout.flat_of({i: self.window_sum(self.layout.records[i]) for i in self.window.touched})
 
-    def restore_sums(self, sums: torch.Tensor | None) -> None:
-        if not self.lean:
-            super().restore_sums(sums)
-        elif sums is None:
-            self.after_step()
-        else:  # a window with sums: held in the flat buffer
+    def restore_sums(self, sums: torch.Tensor) -> None:
+        if self.lean:  # a window with sums: held in the flat buffer
             self.layout.allocate()
             self._held_unscale = 1.0
-            super().restore_sums(sums)
+        super().restore_sums(sums)
 
     def after_step(self) -> None:
         """The inbox forgets which markers it put back (a clear counts for the
@@ -1066,7 +1059,7 @@ class GradIntake(Intake):
             self._used |= self.window.touched
         self._account_writes()
 
-    def restore_sums(self, sums: torch.Tensor | None) -> None:
+    def restore_sums(self, sums: torch.Tensor) -> None:
         super().restore_sums(sums)
         self._used.clear()  # (every buffer was written, by the intake itself)
         self._account_writes()
