@@ -382,10 +382,12 @@ class Intake:
     def after_step(self) -> None:
         """The window's update is done (or skipped)."""
 
-    def collect(self) -> None:
-        """Before zero_grad(): gradients other code put into ``.grad`` since
-        (written in place, assigned) join the window, so that the clear
-        counts them (``set_to_none=False`` keeps them as zeros)."""
+    def before_zero_grad(self) -> None:
+        """zero_grad(), before anything is cleared: what the intake must take
+        in (or refuse) first."""
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """zero_grad(), after the window recorded it: the intake's own clear."""
 
 
 class HookIntake(Intake):
@@ -793,11 +795,11 @@ class HookIntake(Intake):
             self.layout.release()
             self._held_unscale = 1.0
 
-    def zero_grad(self) -> None:
-        """Harmless where it belongs, after step() (or before a backward):
-        folds what is waiting, the window goes on. Between a backward and its
-        step() it is refused: plain PyTorch would discard that gradient, which
-        this intake has folded already."""
+    def before_zero_grad(self) -> None:
+        """Harmless where it belongs, after step() (or before a backward).
+        Between a backward and its step() it is refused, before the window
+        records it: plain PyTorch would discard that gradient, which this
+        intake has folded already."""
         self._drain()
         if self.window.grads_since_step:
             raise RuntimeError(
@@ -805,19 +807,20 @@ class HookIntake(Intake):
                 "intake='hooks' has folded it into the window already. Call zero_grad() after step() (or before the "
                 "backward), or use intake='grad'"
             )
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """Folds what is waiting; the window goes on. A .grad no hook took
+        (left from before wrapping, or assigned) is a gradient, cleared as in
+        plain PyTorch: dropped, or with set_to_none=False kept as a zero
+        gradient (stepped: window.zero_grads), which the marker stands for
+        (the step zeroes its buffer)."""
         self.flush()
-        # A .grad no hook took (left from before wrapping, or assigned) is
-        # cleared, as in plain PyTorch: dropped, or with set_to_none=False (the
-        # param is in window.zero_grads: collect()) kept as a zero gradient,
-        # which the marker stands for (the step zeroes its buffer).
-        zeros = self.window.zero_grads
         for r in self._assigned():
             marker = self._markers.get(r.index)
-            r.param.grad = marker[1] if marker is not None and r.index in zeros else None
-
-    def collect(self) -> None:
-        """A .grad no hook took is a gradient: zero_grad(set_to_none=False) keeps it."""
-        self.window.had_grad.update(r.index for r in self._assigned())
+            if not set_to_none:
+                self.window.had_grad.add(r.index)
+                self.window.zero_grads.add(r.index)
+            r.param.grad = marker[1] if marker is not None and not set_to_none else None
 
     def _assigned(self) -> list[ParamRecord]:
         """The plain params whose .grad is a tensor no hook took (left from
@@ -1064,14 +1067,18 @@ class GradIntake(Intake):
         self._used.clear()  # (every buffer was written, by the intake itself)
         self._account_writes()
 
-    def collect(self) -> None:
+    def before_zero_grad(self) -> None:
+        """What other code put into ``.grad`` since (written in place,
+        assigned) joins the window first, so that the clear counts it
+        (``set_to_none=False`` keeps it as a zero gradient)."""
         self.flush()
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool) -> None:
         """As ``optimizer.zero_grad()`` in plain PyTorch: the gradients the last
         step used, and those that no ``step()`` took yet (e.g. of a window a
         GradScaler skipped), are discarded (those written into ``.grad`` in
-        place or assigned too: collect()): every buffer holds zeros after it."""
+        place or assigned too: before_zero_grad()): every buffer holds zeros
+        after it (``set_to_none`` is the window's to record)."""
         if self.window.grads_since_step or self._used:
             self.layout.zero_all()
             self._used.clear()

@@ -377,15 +377,16 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         window.renumber(renumbered)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Intake "hooks": harmless (gradients are folded as they arrive, the
-        window goes on). Intake "grad": as in plain PyTorch, gradients no
-        ``step()`` took yet are discarded (none, right after a step).
+        """Intake "hooks": harmless after step() (gradients are folded as they
+        arrive, the window goes on), refused between a backward and step().
+        Intake "grad": as in plain PyTorch, ``.grad`` is cleared: the gradients
+        the last step used (accum_steps=None) and those no ``step()`` took yet.
         ``set_to_none=False`` has torch.optim's meaning in both: the params that
         had a gradient keep a zero one, and the following windows step them
         (momentum and weight decay go on) until ``zero_grad()`` sets it to None."""
-        self._intake.collect()  # (a gradient written or assigned into .grad since counts: then it is cleared)
+        self._intake.before_zero_grad()  # (takes in what was put into .grad since, or refuses)
         self._window.zero_grad(set_to_none)
-        self._intake.zero_grad()
+        self._intake.zero_grad(set_to_none)
 
     # torch.compile(opt.step) (torch's recipe for compiling an optimizer) runs
     # this step as it is: its work is fused kernels already, and Dynamo cannot
@@ -659,7 +660,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         # step() is torch.optim's, so is every param whose .grad torch would
         # hold as a tensor: a gradient since the last zero_grad(set_to_none=True)
         # and no .grad = None since (cleared in place, model.zero_grad(set_to_none=False)).
-        if self.accum_steps is None and not self._fsdp:
+        # (Not FSDP2's params: FSDP2 gives each a new sharded .grad, so a clear leaves no trace.)
+        steps_as_torch = self.accum_steps is None and not self._fsdp
+        if steps_as_torch:
             window.zero_grads |= window.had_grad
         self._layout.zero_views(self._layout.records_of(window.zero_grads - window.touched))
         records = self._layout.records_of(window.stepped_params())
@@ -680,8 +683,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._intake.after_step()
         self._sync.after_step()
         self._updater.note_params(records)
-        if self.accum_steps is None and not self._fsdp:
-            # (FSDP2 gives each param a new sharded .grad: a model.zero_grad() would leave no trace.)
+        if steps_as_torch:
             window.unzeroed = set(window.touched)
         window.windows += 1
         window.clear()
