@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import random
 
 import numpy as np
 import pytest
@@ -335,8 +336,6 @@ def test_random_torch_optim_loops_train_as_torch_or_are_refused(intake):
     _assert_fused_close's bound of torch and logs the same norms (to 1e-6),
     or refuses a call with a RuntimeError before it changed a param. (Found
     the five silent differences 405e4d1 closed.)"""
-    import random
-
     rng = random.Random(torch.initial_seed())
     refused = 0
     for _ in range(40):
