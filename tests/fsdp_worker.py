@@ -8,6 +8,7 @@ import copy
 import datetime
 import io
 import os
+import random
 import sys
 
 import torch
@@ -133,7 +134,8 @@ def parity(cfg, rank, world, mesh):
 
 def _shard_recorder(model, sums):
     """A hook before the wrapper's on every sharded param: the float64 sum of
-    the shards FSDP2 hands over, micro-step by micro-step."""
+    the shards FSDP2 hands over, micro-step by micro-step. (It reads ``.grad``
+    where FSDP2 assigned the shard to it: ``.grad`` was None at the reduce.)"""
     for i, p in enumerate(model.parameters()):
 
         def record(param, i=i):
@@ -147,12 +149,15 @@ def _shard_recorder(model, sums):
 def bf16_shards(cfg, rank, world, mesh):
     """bf16 sharded params: the window gradient the wrapper steps with against
     the float64 sum of the same shards, next to FSDP2's own accumulation of
-    them in bf16 .grad (plain AdamW, no wrapper)."""
-    errors = {}
-    for path in ("plain", "ours"):
+    them in bf16 .grad (plain AdamW, no wrapper). Both runs get the same
+    shards (no param changes): they are recorded in the wrapper's run, where
+    model.zero_grad() after each micro-step's step() leaves .grad None, so
+    FSDP2 assigns each shard to it rather than adding it into the marker."""
+    errors, sums = {}, {}
+    for path in ("ours", "plain"):
         model = shard(Net().to(torch.bfloat16), mesh, reduce_dtype=torch.float32)
-        sums = {}
-        _shard_recorder(model, sums)
+        if path == "ours":
+            _shard_recorder(model, sums)
         params = list(model.parameters())
         opt = (
             ak.AccumulatingOptimizer(make_optimizer(params), accum_steps=N_MICRO, backend=cfg["backend"])
@@ -164,6 +169,7 @@ def bf16_shards(cfg, rank, world, mesh):
             F.mse_loss(model(x.bfloat16()), y).backward()
             if m < N_MICRO - 1 and opt is not None:
                 opt.step()
+                model.zero_grad()  # (after step(): harmless in a counted window)
         got = [opt.accumulated_grad(p) * N_MICRO if opt is not None else p.grad._local_tensor.double() for p in params]
         num = sum(((g.double() - sums[i]) ** 2).sum() for i, g in enumerate(got))
         den = sum((s**2).sum() for s in sums.values())
@@ -315,6 +321,60 @@ def buffer_bytes(cfg, rank, world, mesh):
     return {"allocated": allocated, "full_fp32": full, "flat": opt._layout.flat.numel() * 4, "buckets": buckets}
 
 
+# Loops of test_contract's calls whose outcome is known (test_torch_optim_loops_on_fsdp2).
+TORCH_LOOPS = {
+    "clip after backward": (["backward", "norm", "step"], "refused"),
+    "no clear between steps": (["backward", "step", "backward", "step"], "refused"),
+    "model.zero_grad() before step()": (["backward", "model.zero_grad", "step"], "refused"),
+    "model.zero_grad() between backwards": (["backward", "model.zero_grad", "backward", "step"], "refused"),
+    "cleared each window": (["backward", "step", "zero_grad", "backward", "backward", "step"], "torch"),
+    "kept as zeros": (["backward", "step", "zero_grad(False)", "step", "step"], "torch"),
+    "kept as zeros, one dropped": (["backward", "step", "zero_grad(False)", "p0 = None", "step"], "torch"),
+    "assigned before backward": (["p2 = 0.5", "backward", "step"], "torch"),
+    "model.zero_grad() after step()": (["backward", "step", "model.zero_grad", "backward", "step"], "torch"),
+}
+
+
+def torch_loops(cfg, rank, world, mesh):
+    """test_contract's torch.optim loops (its _apply's calls) on an FSDP2
+    model, under the wrapper (accum_steps=None, intake "hooks") and plain
+    torch.optim AdamW on an FSDP2 copy: TORCH_LOOPS and 24 random ones (from
+    the worker's seed). Per loop: ("torch", the params' largest difference
+    and the bound, the norms' largest relative difference) or ("refused",
+    the message, whether any param changed before the refusal)."""
+    from test_contract import FUZZ_OPS, _apply, _mlp
+
+    rng = random.Random(cfg["seed"])
+    loops = {name: ops for name, (ops, _) in TORCH_LOOPS.items()}
+    for i in range(24):
+        loops[f"random {i}"] = [rng.choice(FUZZ_OPS) for _ in range(rng.randint(3, 10))] + ["step"]
+    outcomes = {}
+    for name, ops in loops.items():
+        ours, plain = fully_shard(_mlp(), mesh=mesh), fully_shard(_mlp(), mesh=mesh)
+        opt = ak.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.1, intake="hooks", backend=cfg["backend"])
+        plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1)
+        gens = [torch.Generator().manual_seed(cfg["seed"] + rank) for _ in range(2)]
+        norms, plain_norms = [], []
+        for op in ops:
+            before = full_params(ours)
+            try:
+                _apply(op, ours, opt, gens[0], norms)
+            except RuntimeError as e:
+                changed = not all(torch.equal(a, b) for a, b in zip(full_params(ours), before))
+                outcomes[name] = ("refused", str(e), changed)
+                break
+            _apply(op, plain, plain_opt, gens[1], plain_norms)
+        else:
+            a, b = full_params(ours), full_params(plain)
+            err = max((x - y).abs().max().item() for x, y in zip(a, b))
+            # test_contract's bound: 8 ulps of the largest value per step
+            bound = max(8 * ops.count("step") * torch.finfo(torch.float32).eps * y.abs().max().item() for y in b)
+            rel = max((abs(x - y) / abs(y) for x, y in zip(norms, plain_norms) if y), default=0.0)
+            outcomes[name] = ("torch", err, bound, rel, len(norms) == len(plain_norms))
+        opt.close()
+    return outcomes
+
+
 def refusals(cfg, rank, world, mesh):
     """What is not supported is refused, with the reason: at construction, and
     add_param_group after it."""
@@ -366,6 +426,7 @@ SCENARIOS = {
     "dcp_8bit_other_world": dcp_8bit_other_world,
     "buffer_bytes": buffer_bytes,
     "refusals": refusals,
+    "torch_loops": torch_loops,
 }
 
 

@@ -256,7 +256,8 @@ def test_a_step_on_the_last_steps_uncleared_gradients_is_refused(cleared, intake
 
 
 def _apply(op, model, opt, gen, norms):
-    """One call of a torch.optim loop on _mlp(): "backward" (twice over one
+    """One call of a torch.optim loop on _mlp() (or an FSDP2 one,
+    tests/fsdp_worker.torch_loops): "backward" (twice over one
     graph: "backward x2"), "step", "zero_grad", "zero_grad(False)",
     "model.zero_grad", "model.zero_grad(False)", "p0 = None", "p0.zero_()",
     "p2 = 0.5", "reload" (load_state_dict of its state_dict), "lr" (set by
@@ -285,7 +286,8 @@ def _apply(op, model, opt, gen, norms):
     elif op == "lr":
         opt.param_groups[0]["lr"] = 3e-3
     elif op == "norm":
-        norms.append(torch.nn.utils.clip_grad_norm_(params, 1e9).item())
+        norm = torch.nn.utils.clip_grad_norm_(params, 1e9)
+        norms.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item())  # (FSDP2: a DTensor)
     else:
         raise ValueError(op)
 

@@ -4,7 +4,8 @@ stepping on all W*N micro-batches under every mixed-precision policy, with
 FSDP2's no-sync mode, "items" across ranks and clipping; bf16 sharded params
 summed in fp32 against FSDP2's own bf16 accumulation; an inf on one rank; a
 bitwise resume mid-window; torch.distributed.checkpoint's optimizer state;
-the per-rank buffer memory, measured; refusals."""
+the per-rank buffer memory, measured; refusals; torch.optim's loops
+(accum_steps=None) as torch.optim on FSDP2, or refused."""
 
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ CASES_2 = {
     ),
     "memory": dict(scenario="buffer_bytes"),
     "refusals": dict(scenario="refusals"),
+    "torch-loops": dict(scenario="torch_loops"),
 }
 CASES_4 = {"adamw-clip": PARITY["adamw-clip"], "items": PARITY["items"], "memory": dict(scenario="buffer_bytes")}
 
@@ -105,6 +107,28 @@ def test_bf16_shards_summed_in_fp32(runs):
         errors = rank["bf16-shards"]
         assert errors["ours"] <= 1e-6, errors
         assert errors["ours"] * 100 < errors["plain"], errors
+
+
+def test_torch_optim_loops_on_fsdp2_train_as_torch_or_are_refused(runs):
+    """accum_steps=None on FSDP2 (intake "hooks"): test_contract's loops of
+    torch.optim calls (fsdp_worker.TORCH_LOOPS, and random ones) end within
+    its bound of plain torch.optim AdamW on FSDP2, with the same logged norms,
+    or are refused before a param changed. The known ones end as listed: a
+    clip_grad_norm_ after backward, a step() on uncleared gradients and a
+    model.zero_grad() before step() are refused (the marker in .grad: before,
+    the norm read 0 and the others trained on other gradients than torch's)."""
+    for rank in runs[2]:
+        outcomes = rank["torch-loops"]
+        for name, outcome in outcomes.items():
+            expected = worker.TORCH_LOOPS.get(name, (None, outcome[0]))[1]
+            assert outcome[0] == expected, (name, outcome)
+            if outcome[0] == "refused":
+                assert not outcome[2], f"{name}: a param changed before the refusal"
+            else:
+                _, err, bound, rel, same_count = outcome
+                assert err <= bound and rel <= 1e-6 and same_count, (name, outcome)
+        assert "max_grad_norm=" in outcomes["clip after backward"][1]
+        assert sum(o[0] == "torch" for o in outcomes.values()) >= 5
 
 
 def test_an_inf_on_one_rank_skips_the_window_everywhere(runs):

@@ -10,6 +10,12 @@ device and no storage; any operation on it raises an error that says what to
 use instead. Autograd never adds into it (the intake's hook hands it no
 gradient); the one operation it takes is GradScaler's own inf check before it
 steps the wrapper, which checked every gradient as it folded it.
+
+An FSDP2 param's ``.grad`` is a DTensor over this rank's marker (a marker of
+its local shard's shape). FSDP2 adds each micro-step's reduced shard into a
+``.grad`` it finds set (``grad._local_tensor += shard``), and code may add
+into ``.grad`` itself: that ``add_`` hands the shard to the intake (the
+marker's ``sink``), which is what torch.optim's ``.grad`` would sum.
 """
 
 from __future__ import annotations
@@ -19,6 +25,17 @@ import torch
 from . import _amp, _guards
 
 _UNSCALE = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
+_ADD = torch.ops.aten.add_.Tensor
+
+
+def _plain_add(args, kwargs) -> bool:
+    """``marker.add_(gradient)``: a plain tensor added once (alpha 1)."""
+    return (
+        len(args) == 2
+        and isinstance(args[1], torch.Tensor)
+        and not isinstance(args[1], FoldedGrad)
+        and (kwargs or {}).get("alpha", 1) == 1
+    )
 
 
 def _same_place(t: torch.Tensor, kwargs: dict) -> bool:
@@ -37,13 +54,16 @@ class FoldedGrad(torch.Tensor):
     """``param.grad`` once intake="hooks" folded its gradient (see the module docstring)."""
 
     @staticmethod
-    def __new__(cls, param: torch.Tensor, index: int):
+    def __new__(cls, param: torch.Tensor, index: int, sink=None):
         return torch.Tensor._make_wrapper_subclass(
             cls, param.shape, strides=param.stride(), dtype=param.dtype, device=param.device, requires_grad=False
         )
 
-    def __init__(self, param: torch.Tensor, index: int) -> None:
+    def __init__(self, param: torch.Tensor, index: int, sink=None) -> None:
+        # param: the param (an FSDP2 param: its local shard); sink(gradient):
+        # an FSDP2 param's, takes what is added into .grad.
         self.index = index
+        self.sink = sink
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -60,6 +80,9 @@ class FoldedGrad(torch.Tensor):
         markers = [a for a in args if isinstance(a, FoldedGrad)] + [
             t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, FoldedGrad)
         ]
+        if func is _ADD and isinstance(target, FoldedGrad) and target.sink is not None and _plain_add(args, kwargs):
+            target.sink(args[1])
+            return target
         if func is _UNSCALE and _amp.checking_inf_for_step():
             return None  # GradScaler's own check before it steps the wrapper, which checks as it folds
         index = markers[0].index if markers else None
@@ -75,13 +98,18 @@ class FoldedGrad(torch.Tensor):
         framework = _guards.framework_reading_grad(index)
         if framework is not None:
             raise RuntimeError(framework)
+        fsdp = markers and markers[0].sink is not None
         raise RuntimeError(
             f"AccumulatingOptimizer (intake='hooks') folded param {index}'s gradients into its fp32 buffer during "
             f"backward: its .grad holds no values, so {func.__name__} cannot use it. Clip with max_grad_norm= (or "
-            "opt.clip_grad_norm_(max_norm)); read the window's gradient with opt.accumulated_grad(param); for code "
-            "that must read or edit .grad (torch.nn.utils.clip_grad_norm_, a framework's clipping or norm logging, "
-            "GradScaler.unscale_, a pipeline schedule's scale_grads), build the wrapper with intake='grad' (the "
-            "default with accum_steps=None)"
+            "opt.clip_grad_norm_(max_norm)); read the window's gradient with opt.accumulated_grad(param)"
+            + (
+                " (an FSDP2 model's gradients are only folded: intake 'grad' is not offered for FSDP2)"
+                if fsdp
+                else "; for code that must read or edit .grad (torch.nn.utils.clip_grad_norm_, a framework's "
+                "clipping or norm logging, GradScaler.unscale_, a pipeline schedule's scale_grads), build the "
+                "wrapper with intake='grad' (the default with accum_steps=None)"
+            )
         )
 
     def __repr__(self) -> str:

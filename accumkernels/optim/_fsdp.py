@@ -2,10 +2,13 @@
 mesh, and FSDP2 reduce-scatters each micro-step's gradient itself.
 
 The wrapper then holds fp32 buffers for this rank's shards only (1/W of the
-model per rank). FSDP2 calls a sharded param's post-accumulate-grad hooks after
-it assigned the reduce-scattered shard to ``.grad``: the hooks intake folds the
-local shard into the buffer and frees ``.grad``, so FSDP2 never accumulates
-(in the params' dtype) across micro-steps. With
+model per rank). FSDP2 assigns the reduce-scattered shard to a ``.grad`` it
+finds None, or adds it into the one it finds, then calls the sharded param's
+post-accumulate-grad hooks: the hooks intake folds the local shard into the
+buffer and leaves a DTensor over a FoldedGrad marker in ``.grad``, whose
+``add_`` hands the next shard over, so FSDP2 never accumulates (in the
+params' dtype) across micro-steps, and code reading ``.grad`` (torch's
+``clip_grad_norm_``) is refused rather than finding None. With
 ``set_requires_gradient_sync(False)`` on the first N-1 micro-steps, FSDP2 keeps
 its own unsharded accumulated gradient (in ``reduce_dtype``, full size on
 every rank) and hands over the window's shard on the last one.
@@ -44,6 +47,13 @@ def is_sharded(params) -> bool:
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The elements of ``t`` this rank holds (a DTensor's local shard; a plain tensor itself)."""
     return t._local_tensor if isinstance(t, _dtensor_class()) else t
+
+
+def sharded_grad(local: torch.Tensor, param) -> torch.Tensor:
+    """``local`` (shaped as this rank's shard of ``param``) as ``param``'s
+    DTensor ``.grad``, made as FSDP2 makes the ``.grad`` it assigns: without
+    an operation on ``local`` (intake "hooks": a FoldedGrad marker)."""
+    return _dtensor_class()(local, param._spec, requires_grad=False)
 
 
 def shard_like(local: torch.Tensor, param) -> torch.Tensor:

@@ -65,6 +65,7 @@ from .. import _native, ops
 from .._validation import GRAD_DTYPES
 from . import _amp
 from ._folded import FoldedGrad
+from ._fsdp import sharded_grad
 from ._layout import Bucket, Layout, ParamRecord
 from ._sync import Sync
 from ._window import Window
@@ -92,6 +93,14 @@ def _call_weak(ref, index, arg) -> None:
     intake = ref()
     if intake is not None:
         intake._on_grad(index, arg)
+
+
+def _shard_weak(ref, index, arg) -> None:
+    """An FSDP2 param's post-accumulate-grad hook (``arg``: the param), or its
+    marker's sink (``arg``: a shard added into ``.grad``), held weakly."""
+    intake = ref()
+    if intake is not None:
+        intake._on_shard(index, arg)
 
 
 def _deliver_weak(ref, bucket, taken) -> None:
@@ -132,6 +141,10 @@ def _take_and_drop(ref, index, grads):
         return None
     intake._arrive(index, grads[0])
     return (None,)
+
+
+def _how_cleared(grad: torch.Tensor | None) -> str:
+    return "set to None" if grad is None else "replaced"
 
 
 def _remove(handles, markers=None) -> None:
@@ -420,8 +433,14 @@ class HookIntake(Intake):
         self.ready_for_backward()
 
     def _register(self, r: ParamRecord):
-        if r.local_of is not None:  # FSDP2 assigns the reduced shard to .grad and runs these hooks itself
-            return super()._register(r)
+        if r.local_of is not None:
+            # FSDP2 assigns the reduced shard to a .grad it finds None, or adds
+            # it into the one it finds (the marker's sink takes it), and runs
+            # the post-accumulate-grad hooks itself.
+            take = functools.partial(_shard_weak, self._ref, r.index)
+            r.marker = FoldedGrad(r.local, r.index, sink=take)
+            self._markers[r.index] = (r.param, sharded_grad(r.marker, r.param))
+            return r.param.register_post_accumulate_grad_hook(take)
         self._markers[r.index] = (r.param, FoldedGrad(r.param, r.index))
         r.marker = self._markers[r.index][1]  # (read by _arrive: one attribute instead of two lookups)
         # A pre-hook of the param's gradient accumulator (kept alive: torch holds
@@ -566,7 +585,7 @@ class HookIntake(Intake):
         param = r.param
         if param.grad is not r.marker:
             if count > 1:
-                self._refuse_discarded(index, param.grad)
+                self._refuse_discarded(index, _how_cleared(param.grad))
             self._install_marker(r)
         # Autograd checked the gradient against the param (shape, dtype, device)
         # before this hook; what is left to check is that the param is still
@@ -599,13 +618,28 @@ class HookIntake(Intake):
             "once per micro-step"
         )
 
-    def _take(self, r: ParamRecord, arg) -> None:
-        """An FSDP2 param's post-accumulate-grad hook (``arg``: the param): the
-        reduced shard FSDP2 assigned to ``.grad``. (Plain params: ``_arrive``.)"""
-        grad = r.local_grad()
-        if grad is None:
+    def _on_shard(self, index: int, arg) -> None:
+        """An FSDP2 param's reduced shard: added into its marker (``arg``: the
+        shard), or assigned to a ``.grad`` FSDP2 found None, or added into a
+        tensor assigned there (``arg``: the param; the marker's add took it
+        already where ``.grad`` is the marker)."""
+        r = self.layout.records[index]
+        if isinstance(arg, torch.Tensor) and arg is not r.param:
+            self._on_grad(index, arg)
             return
+        grad = r.local_grad()
+        if grad is None or grad is r.marker:
+            return
+        if index in self.arrivals:  # .grad held the marker: cleared or replaced since
+            self._refuse_discarded(index, "set to None or replaced")
+        self.window.unzeroed.discard(index)  # cleared or replaced, as in plain PyTorch
+        self._on_grad(index, grad)
+
+    def _take(self, r: ParamRecord, grad: torch.Tensor) -> None:
+        """An FSDP2 param's reduced shard (from ``_on_shard``): ``.grad`` becomes
+        its marker. (Plain params: ``_arrive``.)"""
         self._check_arriving(r, grad)
+        r.param.grad = self._markers[r.index][1]
         self._pend(r, self._laid_out(r, grad))
 
     @staticmethod
@@ -625,13 +659,13 @@ class HookIntake(Intake):
         self._pending.setdefault(r.bucket.index, []).append((r, self._laid_out(r, grad)))
 
     @staticmethod
-    def _refuse_discarded(index: int, grad: torch.Tensor | None) -> None:
+    def _refuse_discarded(index: int, how: str) -> None:
         """A param's ``.grad`` was cleared or replaced after a gradient of this
         micro-step arrived, found at step() or at the param's next gradient
         (``model.zero_grad()`` between a backward and step(), or between two
         backwards): plain PyTorch would have discarded that gradient, which is folded."""
         raise RuntimeError(
-            f"param {index}'s .grad was {'set to None' if grad is None else 'replaced'} after its backward, before "
+            f"param {index}'s .grad was {how} after its backward, before "
             "step() (e.g. model.zero_grad() between a backward and opt.step(), or between two backwards): in plain "
             "PyTorch that discards the gradient, but intake='hooks' has folded it into the window already. Call "
             "zero_grad() after step() (or before the backward), or use intake='grad'"
@@ -652,8 +686,7 @@ class HookIntake(Intake):
     def _take_late(self, r: ParamRecord) -> None:
         self.window.unzeroed.discard(r.index)  # a .grad assigned by other code replaced the last one
         self._queue(r, r.local_grad())
-        if r.local_of is None:
-            r.param.grad = self._markers[r.index][1]
+        r.param.grad = self._markers[r.index][1]
         self.window.grads_since_step = True
 
     def flush(self) -> None:
@@ -665,9 +698,8 @@ class HookIntake(Intake):
                 self._fold(bucket)
 
     def uncleared(self, indices: set[int]) -> set[int]:
-        """Those still holding their marker (only hooked plain params have one:
-        FSDP2's are not kept in window.unzeroed), unless the native inbox put
-        it back into a cleared ``.grad`` as a gradient arrived."""
+        """Those still holding their marker, unless the native inbox put it
+        back into a cleared ``.grad`` as a gradient arrived."""
         if self._inbox is not None:
             indices = indices.difference(_native._C.inbox_remarked(self._inbox))
         markers = self._markers
@@ -679,8 +711,8 @@ class HookIntake(Intake):
         (``model.zero_grad()`` before step()), which in plain PyTorch discards
         the gradient: its sum here is already folded, so that is refused. A
         gradient assigned to ``.grad`` by other code is taken in."""
-        # Only hooked plain params hold a marker (FSDP2's get their shard from
-        # FSDP2; a param without a hook has received nothing to fold).
+        # Only hooked params hold a marker (a param without a hook has
+        # received nothing to fold).
         self._drain()
         markers = self._markers
         if self._inbox is not None:  # it knows which .grad is not its marker: the only ones to look at
@@ -690,7 +722,7 @@ class HookIntake(Intake):
             if grad is marker:
                 continue
             if index in self.arrivals:
-                self._refuse_discarded(index, grad)
+                self._refuse_discarded(index, _how_cleared(grad))
             if grad is None:  # no gradient, as in plain PyTorch: not stepped (nor with a zero gradient)
                 self.window.forget_grad(index)
                 continue
@@ -725,8 +757,6 @@ class HookIntake(Intake):
                 )
         for r, _ in taken:
             touched.add(r.index)
-            if r.local_of is not None:
-                r.param.grad = None
 
     def _hold(self, taken: list[tuple[ParamRecord, torch.Tensor]]) -> bool:
         """Lean: hold the gradients as they are (checked for inf/NaN where
@@ -832,16 +862,12 @@ class HookIntake(Intake):
         return [
             r
             for r in candidates
-            if r.local_of is None
-            and r.param.grad is not None
-            and r.param.grad is not self._markers.get(r.index, (0, 0))[1]
+            if r.param.grad is not None and r.param.grad is not self._markers.get(r.index, (0, 0))[1]
         ]
 
     def set_grad(self, r: ParamRecord, grad: torch.Tensor | None) -> None:
-        """``.grad`` for the fallback optimizer's step, then back to the marker (None under FSDP2)."""
-        r.param.grad = (
-            grad if grad is not None or r.local_of is not None else self._markers.get(r.index, (None, None))[1]
-        )
+        """``.grad`` for the fallback optimizer's step, then back to the marker."""
+        r.param.grad = grad if grad is not None else self._markers.get(r.index, (None, None))[1]
 
     def meet_scaler(self, optimizer, ends_window: bool) -> None:
         """The GradScaler calls step() directly (the wrapper unscales and skips

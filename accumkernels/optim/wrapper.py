@@ -660,8 +660,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         # step() is torch.optim's, so is every param whose .grad torch would
         # hold as a tensor: a gradient since the last zero_grad(set_to_none=True)
         # and no .grad = None since (cleared in place, model.zero_grad(set_to_none=False)).
-        # (Not FSDP2's params: FSDP2 gives each a new sharded .grad, so a clear leaves no trace.)
-        steps_as_torch = self.accum_steps is None and not self._fsdp
+        steps_as_torch = self.accum_steps is None
         if steps_as_torch:
             window.zero_grads |= window.had_grad
         self._layout.zero_views(self._layout.records_of(window.zero_grads - window.touched))
