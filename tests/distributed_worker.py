@@ -260,20 +260,24 @@ def framework_loop(cfg, rank, world):
     .grad holds the window's gradient averaged over ranks after the last
     backward, so the clip sees the global norm. ``cfg["ddp_kwargs"]``: DDP's
     (gradient_as_bucket_view=True makes .grad views of DDP's buckets when DDP
-    is built: the wrapper takes them back at its first forward)."""
+    is built: the wrapper takes them back at its first forward).
+    ``cfg["ddp"] = False``: the same loop on the plain module, where each
+    backward ends with the reduction (as DDP's without no_sync())."""
     model = Net()
     opt = ak.AccumulatingOptimizer(
         make_optimizer(cfg["optimizer"], model.parameters()), bucket_cap_mb=BUCKET_MB, backend=cfg["backend"]
     )
-    ddp = torch.nn.parallel.DistributedDataParallel(model, **cfg.get("ddp_kwargs", {}))
     calls = [0]
-    _count_reducer_calls(ddp, calls)
+    ddp = None
+    if cfg.get("ddp", True):
+        ddp = torch.nn.parallel.DistributedDataParallel(model, **cfg.get("ddp_kwargs", {}))
+        _count_reducer_calls(ddp, calls)
     norms, trajectory = [], [params_of(model)]
     for w in range(WINDOWS):
         for m in range(N_MICRO):
             x, y = micro_batch(cfg["seed"], w, rank, m, False)
-            with ddp.no_sync() if m < N_MICRO - 1 else contextlib.nullcontext():
-                (F.mse_loss(ddp(x, rank % 2 == 1).float(), y) / N_MICRO).backward()
+            with ddp.no_sync() if ddp is not None and m < N_MICRO - 1 else contextlib.nullcontext():
+                (F.mse_loss((ddp or model)(x, rank % 2 == 1).float(), y) / N_MICRO).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])))
         opt.step()
         opt.zero_grad()
@@ -342,7 +346,8 @@ def misuse(cfg, rank, world):
     """What the wrapper refuses in the window's last micro-step, after its
     backward has launched the reductions: reading the buffers, a second backward
     (and the step() after it, which sees two gradients for a param); and
-    clip_grad_norm_() in distributed runs at all."""
+    clip_grad_norm_() in distributed runs at all. Then, with accum_steps=None
+    and a bf16 wire, a second backward after the reduction of the first."""
     model = Net()
     opt = wrapped(cfg, model)
     errors = {}
@@ -366,7 +371,21 @@ def misuse(cfg, rank, world):
         errors["step"] = None
     except RuntimeError as e:
         errors["step"] = str(e)
-    return {"errors": errors, "micro_steps": opt.micro_steps}
+    micro_steps = opt.micro_steps
+    opt.close()
+    # accum_steps=None on the plain module (each backward reduced) with a bf16
+    # wire, which rounds each rank's contribution once per window: a second backward is refused.
+    bf16_wire = ak.AccumulatingOptimizer(
+        make_optimizer(cfg["optimizer"], model.parameters()), wire_dtype=torch.bfloat16, backend=cfg["backend"]
+    )
+    model.loss(x, y, True).backward()
+    try:
+        model.loss(x, y, True).backward()
+        errors["bf16_wire_second_backward"] = None
+    except RuntimeError as e:
+        errors["bf16_wire_second_backward"] = str(e)
+    bf16_wire.close()
+    return {"errors": errors, "micro_steps": micro_steps}
 
 
 def ddp_join(cfg, rank, world):

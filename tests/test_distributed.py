@@ -65,6 +65,8 @@ CASES_2 = {
     "framework-loop-bucket-views": dict(
         scenario="framework_loop", optimizer="adamw", clip=0.05, ddp_kwargs=dict(gradient_as_bucket_view=True)
     ),
+    # the same loop without DDP: each backward is reduced, so the clip sees the global norm too
+    "plain-module-loop": dict(scenario="framework_loop", optimizer="adamw", clip=0.05, ddp=False),
     "misuse": dict(scenario="misuse", optimizer="sgd"),
     "dcp": dict(scenario="dcp", optimizer="adamw"),
     "ddp-join": dict(scenario="ddp_join", optimizer="sgd"),
@@ -225,13 +227,16 @@ def test_ddp_is_taken_over(runs):
         assert_steps_exact_to_fp32(results[0][order], "ddp", 2)
 
 
-@pytest.mark.parametrize("case", ["framework-loop", "framework-loop-bucket-views"])
+@pytest.mark.parametrize("case", ["framework-loop", "framework-loop-bucket-views", "plain-module-loop"])
 def test_framework_loop_over_ddp(runs, case):
     """no_sync() micro-steps, the loss divided by N, torch's clip_grad_norm_ on
     .grad after the last backward: the clipped norm is the global one and each
     window steps on all ranks' micro-batches (clipping active: norms above 0.05);
     DDP with gradient_as_bucket_view=True too (a param only odd ranks use kept
-    DDP's view of a stale copy as .grad on even ranks, which stepped on it).
+    DDP's view of a stale copy as .grad on even ranks, which stepped on it);
+    and the loop on the plain module, no DDP, whose every backward is reduced
+    (before, the reduction waited for step() and the clip used each rank's own
+    norm: 0.29 and 0.49 where the global one was 0.27, in test_contract's loop).
     The norm logged is of a sum within gamma_{n+2} of the exact one, computed
     in fp32 over the model's 618 elements: within 1e-5 relative."""
     results = [r[case] for r in runs[2]]
@@ -267,6 +272,7 @@ def test_misuse_during_the_reduction_is_refused(runs):
         assert "max_grad_norm=" in errors["clip_grad_norm_"]
         assert "cross-rank reduction has already started" in errors["second_backward"]
         assert "got 2 gradients since the last step()" in errors["step"]
+        assert "wire_dtype=torch.bfloat16" in errors["bf16_wire_second_backward"]
         assert r["misuse"]["micro_steps"] == worker.N_MICRO - 1  # nothing stepped
 
 

@@ -32,6 +32,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from . import _pipeline
 from ._layout import Bucket, Layout, ParamRecord, flat_view
 from ._sync import Sync
 from ._window import Window
@@ -56,11 +57,22 @@ class BucketSync(Sync):
     reduces_buffers = True
 
     def __init__(
-        self, group, layout: Layout, window: Window, sharded: bool, wire_dtype, average: bool, ddp=None
+        self,
+        group,
+        layout: Layout,
+        window: Window,
+        sharded: bool,
+        wire_dtype,
+        average: bool,
+        ddp=None,
+        each_backward: bool = False,
     ) -> None:
         # average: the intake exposes the buffers as .grad, which must hold the
-        # window averaged over ranks (as DDP's) once reduced (see reduce_now)
+        # window averaged over ranks (as DDP's) once reduced (see reduce_now);
+        # each_backward: accum_steps=None with such an intake (see the property)
         super().__init__(layout, window, ddp)
+        self._each_backward = each_backward
+        self._stages_looked_for = False
         self.replicas_checked = False  # the first window sent its replica hashes
         self.average = average
         self.group = group
@@ -72,6 +84,7 @@ class BucketSync(Sync):
         self._ready: set[int] = set()
         self._next = 0  # the next bucket to launch
         self.finished = False  # the window's sum is reduced (finish() ran)
+        self._reopened = False  # reduced once this window already: every view holds its reduced sum
         self._launched: list[tuple[int, object, tuple]] = []  # (bucket, work, tensors kept alive)
         self.check_layout()
         if sharded:
@@ -115,6 +128,19 @@ class BucketSync(Sync):
         )
 
     @property
+    def each_backward(self) -> bool:
+        """Without a DDP module, each backward ends with the reduction, except
+        on a pipeline stage: its schedule runs a window's backwards in one call
+        (a collective in one stage's backward would wait for a stage that waits
+        for its gradients) and scales .grad alike on every rank, so its window
+        is reduced at step(). Stages are looked for at the first backward (one
+        built after the wrapper is found there too)."""
+        if self._each_backward and not self._stages_looked_for:
+            self._stages_looked_for = True
+            self._each_backward = not _pipeline.stages_holding([r.param for r in self.layout])
+        return self._each_backward
+
+    @property
     def started(self) -> bool:
         return bool(self._ready) or self.finished
 
@@ -128,10 +154,28 @@ class BucketSync(Sync):
 
     def reset(self) -> None:
         """The window ended: the next one starts unreduced."""
+        self._restart()
+        self._reopened = False
+
+    def _restart(self) -> None:
         self._ready.clear()
         self._next = 0
         self._launched.clear()
         self.finished = False
+
+    def reopen(self) -> bool:
+        """accum_steps=None with intake "grad": a backward after the window's
+        reduction (each backward of a module without DDP is reduced, as is each
+        of a DDP module outside no_sync()). Its gradients add into the reduced
+        buffers, which every rank holds alike, and its end reduces them again:
+        the average over ranks keeps the earlier sum and adds this backward's
+        average, as DDP's .grad does. Not on a bf16 wire, which rounds each
+        rank's contribution once per window."""
+        if not self.average or self.sharded or self.wire_dtype != torch.float32 or not self.finished:
+            return False
+        self._restart()
+        self._reopened = True
+        return True
 
     def bucket_launched(self, bucket: Bucket) -> bool:
         return bucket.index < self._next
@@ -144,7 +188,8 @@ class BucketSync(Sync):
         ready bucket after it, in order. Views of params that got no gradient in
         the window still hold an older window's values: zeroed first."""
         window = self.window
-        self.layout.zero_views(r for r in bucket.records if r.index not in window.touched)
+        if not self._reopened:
+            self.layout.zero_views(r for r in bucket.records if r.index not in window.touched)
         self._ready.add(bucket.index)
         while self._next < len(self.layout.buckets) and self._next in self._ready:
             self._launch(self._next)

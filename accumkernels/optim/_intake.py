@@ -952,19 +952,30 @@ class GradIntake(Intake):
         self._account_writes()
 
     def _window_ends_with_this_backward(self) -> bool:
+        """Whether ``.grad`` must hold the reduced window when this backward
+        returns: the window's last micro-step (accum_steps=N); with
+        accum_steps=None, where code may read ``.grad`` after any backward (a
+        clip, a logged norm), what a DDP module says (no_sync() or not), and
+        without one every backward (sync.each_backward: as DDP's without
+        no_sync()), unless the reduction waits for step() (a pipeline stage)."""
         if self.accum_steps is not None:
             return self.last_micro_step()
-        return bool(self.window.sync_intent)  # a DDP module said so; else the reduction waits for step()
+        intent = self.window.sync_intent
+        return self.sync.each_backward if intent is None else intent
 
     def _take(self, r: ParamRecord, arg=None) -> None:
         self._check_param(r)
         grad = r.param.grad
         sync = self.sync
         if sync.reduces_buffers and not self._reduction_queued:
-            if sync.started:
+            if sync.started and not (self.accum_steps is None and sync.reopen()):
                 raise RuntimeError(
                     "AccumulatingOptimizer: a gradient arrived after this window's cross-rank reduction (a second "
                     "backward in the window's last micro-step): sum the losses and call backward once per micro-step"
+                    if self.accum_steps is not None
+                    else "AccumulatingOptimizer: a second backward after this window's cross-rank reduction, which "
+                    "wire_dtype=torch.bfloat16 makes once per window: pass accum_steps=N (the optimizer counts the "
+                    "window) or, with a DDP module, run the window's other backwards under its no_sync()"
                 )
             if self._window_ends_with_this_backward():
                 # .grad must hold the reduced window when backward returns (the
@@ -996,8 +1007,13 @@ class GradIntake(Intake):
         self.set_grad(r, r.buffer)
 
     def _reduce(self) -> None:
+        """The end of a backward whose window is reduced now: a gradient other
+        code wrote into ``.grad`` joins first (the reduction zeroes the views
+        of params without one); the reduction's own writes are accounted for."""
         self._reduction_queued = False
+        self._take_written()
         self.sync.reduce_now()
+        self._account_writes()
 
     def _take_late(self, r: ParamRecord) -> None:
         self._on_grad(r.index, r.param)

@@ -35,6 +35,9 @@ class Sync:
 
     spans_ranks = False  # the window's gradient is summed over several ranks
     reduces_buffers = False  # the wrapper's buffers are summed across ranks in place (during backward)
+    # accum_steps=None, intake "grad", no DDP module to say which backward ends
+    # the window: each backward ends with the reduction (see BucketSync.reopen)
+    each_backward = False
 
     def __init__(self, layout: Layout, window: Window, ddp=None) -> None:
         # ddp: the _ddp.DDPWatch of a process with torch.distributed initialized, else None
@@ -61,6 +64,11 @@ class Sync:
 
     def reduce_now(self) -> None:
         """Reduce the whole window now (intake "grad", at the end of its last backward)."""
+
+    def reopen(self) -> bool:
+        """A backward after the window's reduction: whether its gradients may be
+        added and the window reduced again (else it is refused)."""
+        return False
 
     def norm_records(self) -> list[ParamRecord]:
         """The params a global norm of the window covers now: those with a gradient."""
@@ -100,6 +108,13 @@ def make_sync(options, layout: Layout, window: Window, *, sharded: bool, wire_dt
     ddp = _ddp.DDPWatch(options.params, window) if options.initialized else None
     if options.world_size > 1:
         return _distributed.BucketSync(
-            options.process_group, layout, window, sharded, wire_dtype, average=average, ddp=ddp
+            options.process_group,
+            layout,
+            window,
+            sharded,
+            wire_dtype,
+            average=average,
+            ddp=ddp,
+            each_backward=average and options.accum_steps is None,
         )
     return Sync(layout, window, ddp)

@@ -642,10 +642,15 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             )
 
     def _refuse_during_reduction(self, what: str) -> None:
+        """Where the buffers are being reduced across ranks in place, or hold
+        the reduced window (a backward that ends it: the last micro-step's, a
+        DDP module's outside no_sync(), and with accum_steps=None and no DDP
+        module each one), they no longer hold this rank's own sums."""
         if self._sync.started:
             raise RuntimeError(
                 f"{what} between the window's last backward and step(): the buffers are being reduced "
-                "across ranks in place; call it before that backward or after step()"
+                "across ranks in place (with accum_steps=None and no DDP module every backward is reduced, "
+                "as DDP's is); call it before that backward or after step()"
             )
 
     def _end_window(self) -> None:
