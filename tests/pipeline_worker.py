@@ -101,10 +101,15 @@ def _error(run) -> str | None:
     return None
 
 
+def _options(cfg) -> dict:
+    """The wrapper's options: the defaults, or max_grad_norm=cfg["clip"]."""
+    return {"max_grad_norm": cfg["clip"]} if cfg.get("clip") else {}
+
+
 def pipeline_only(cfg, rank, world):
     """Two ranks, one stage each, no data parallelism: the wrapper built after
-    the stage (defaults), then with process_group= given explicitly."""
-    trajectory, opt = train_pipeline(cfg, rank, 0, None, {})
+    the stage (defaults, or clipping by the whole model's norm)."""
+    trajectory, opt = train_pipeline(cfg, rank, 0, None, _options(cfg))
     return {"trajectory": trajectory, "world_size": opt.world_size}
 
 
@@ -115,8 +120,10 @@ def mesh_pp_dp(cfg, rank, world):
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-    found, opt = train_pipeline(cfg, pp_rank, dp_rank, mesh["pp"].get_group(), {})
-    given, given_opt = train_pipeline(cfg, pp_rank, dp_rank, mesh["pp"].get_group(), {"process_group": mesh["dp"]})
+    found, opt = train_pipeline(cfg, pp_rank, dp_rank, mesh["pp"].get_group(), _options(cfg))
+    given, given_opt = train_pipeline(
+        cfg, pp_rank, dp_rank, mesh["pp"].get_group(), {"process_group": mesh["dp"], **_options(cfg)}
+    )
     return {
         "pp_rank": pp_rank,
         "dp_rank": dp_rank,

@@ -15,13 +15,18 @@ from test_distributed import WORKER_SEED, spawn
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 pipelining = pytest.importorskip("torch.distributed.pipelining")
+CLIP = 0.05  # below every window's whole-model gradient norm (asserted): the clip acts
 
 CASES_2 = {
     "gpipe": dict(scenario="pipeline_only", schedule="gpipe"),
     "1f1b": dict(scenario="pipeline_only", schedule="1f1b"),
     "refusals": dict(scenario="refusals", schedule="gpipe"),
+    "gpipe-clip": dict(scenario="pipeline_only", schedule="gpipe", clip=CLIP),
 }
-CASES_4 = {"mesh-1f1b": dict(scenario="mesh_pp_dp", schedule="1f1b")}
+CASES_4 = {
+    "mesh-1f1b": dict(scenario="mesh_pp_dp", schedule="1f1b"),
+    "mesh-1f1b-clip": dict(scenario="mesh_pp_dp", schedule="1f1b", clip=CLIP),
+}
 
 
 @pytest.fixture(scope="module")
@@ -29,33 +34,41 @@ def runs():
     return {2: spawn(2, CASES_2, worker.main), 4: spawn(4, CASES_4, worker.main)}
 
 
-def assert_stages_exact_to_fp32(stages: list[list[list[torch.Tensor]]], schedule: str, dp: int) -> None:
+def assert_stages_exact_to_fp32(stages: list[list[list[torch.Tensor]]], schedule: str, dp: int, clip=None) -> None:
     """``stages``: stage 0's and stage 1's trajectories. Joined into the whole
     model's, every window is the exact AdamW step of the whole model on all
-    data-parallel ranks' batches, to the fp32 error bound (tests/helpers.py)."""
+    data-parallel ranks' batches (clipped to ``clip`` by the whole model's
+    norm), to the fp32 error bound (tests/helpers.py)."""
     whole = [first + second for first, second in zip(*stages)]
-    assert_windows_within_bound(
-        whole,
-        worker.window_gradients(dict(seed=WORKER_SEED), dp),
-        worker.make_inner([torch.zeros(1)]),
-    )
+    gradients = worker.window_gradients(dict(seed=WORKER_SEED), dp)
+    if clip is not None:
+        for w, params in enumerate(whole[:-1]):
+            grads, divisor = gradients(w, params)
+            norm = torch.cat([sum(g[i].double() for g in grads).flatten() for i in range(len(params))]).norm()
+            assert norm / divisor > clip, f"window {w}: the clip would not act"
+    assert_windows_within_bound(whole, gradients, worker.make_inner([torch.zeros(1)]), clip=clip)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "gpipe-clip"])
 def test_each_stage_equals_one_process(runs, schedule):
     """Stages of different sizes, the wrapper's defaults: no reduction across
     the pipeline (each stage has no replica), the schedule's scale_grads on the
-    fp32 .grad, the big batch's update."""
+    fp32 .grad, the big batch's update; with max_grad_norm=, clipped by the
+    whole model's norm, every stage's summed over the pipeline (each stage
+    clipped by its own before)."""
     results = [r[schedule] for r in runs[2]]
     assert all(result["world_size"] == 1 for result in results)
-    assert_stages_exact_to_fp32([result["trajectory"] for result in results], schedule, 1)
+    clip = CASES_2[schedule].get("clip")
+    assert_stages_exact_to_fp32([result["trajectory"] for result in results], schedule, 1, clip)
 
 
-def test_a_pp_by_dp_mesh_equals_one_process(runs):
+@pytest.mark.parametrize("case", ["mesh-1f1b", "mesh-1f1b-clip"])
+def test_a_pp_by_dp_mesh_equals_one_process(runs, case):
     """(pp=2, dp=2): each stage's wrapper reduces over its dp dimension only,
     found on the mesh or given as process_group=mesh['dp']; the replicas of a
-    stage hold the same params."""
-    results = [r["mesh-1f1b"] for r in runs[4]]
+    stage hold the same params; max_grad_norm= clips by the whole model's
+    norm over both dimensions."""
+    results = [r[case] for r in runs[4]]
     stages = {}
     for result in results:
         assert result["world_size"] == 2 and result["given_world_size"] == 2
@@ -63,7 +76,7 @@ def test_a_pp_by_dp_mesh_equals_one_process(runs):
         for key in ("trajectory", "given"):
             assert all(torch.equal(a, b) for a, b in zip(result[key][-1], first[key][-1])), key
     for key in ("trajectory", "given"):
-        assert_stages_exact_to_fp32([stages[0][key], stages[1][key]], "mesh-1f1b", 2)
+        assert_stages_exact_to_fp32([stages[0][key], stages[1][key]], case, 2, CASES_4[case].get("clip"))
 
 
 def test_what_a_pipeline_must_not_train_silently(runs):

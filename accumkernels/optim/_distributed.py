@@ -277,7 +277,7 @@ class BucketSync(Sync):
     def squared_norm(self, local: torch.Tensor) -> torch.Tensor:
         """The window gradient's squared norm from this rank's: every rank holds
         the whole reduced buffer, or (sharded) its shard of it."""
-        return sum_over_ranks(local, self.group) if self.sharded else local
+        return self.over_stages(sum_over_ranks(local, self.group) if self.sharded else local)
 
     def after_step(self) -> None:
         if self.sharded:

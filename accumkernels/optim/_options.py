@@ -42,6 +42,9 @@ class Options(NamedTuple):
     process_group: object
     world_size: int
     rank: int
+    # A pipeline stage's params: (the stage's pipeline group, None for the
+    # world,), over which a norm of the window sums (the whole model's); else ().
+    pipeline: tuple = ()
 
 
 def check_options(
@@ -150,12 +153,14 @@ def check_options(
     if len(devices) > 1:
         raise ValueError(f"params on several devices ({sorted(map(str, devices))}) are not supported yet")
     device = next(iter(devices)) if devices else torch.device("cpu")
-    group = mesh.get_group() if mesh is not None else _data_parallel_group(params, process_group, initialized)
+    stages = _pipeline.stages_holding(params) if initialized and mesh is None else []
+    group = mesh.get_group() if mesh is not None else _data_parallel_group(stages, process_group, initialized)
     replicated = initialized and group is not _NO_REPLICAS
     world_size = dist.get_world_size(group) if replicated else 1
     rank = dist.get_rank(group) if replicated else 0
     group = None if group is _NO_REPLICAS else group
-    return Options(accum_steps, intake, params, groups, device, mesh, initialized, group, world_size, rank)
+    pipeline = (stages[0].group,) if stages else ()
+    return Options(accum_steps, intake, params, groups, device, mesh, initialized, group, world_size, rank, pipeline)
 
 
 _NO_REPLICAS = object()  # a pipeline stage no other rank holds: nothing to reduce
@@ -186,11 +191,11 @@ def check_groups(optimizer, state_dtype, param_groups: list[dict] | None = None,
             )
 
 
-def _data_parallel_group(params, process_group, initialized):
+def _data_parallel_group(stages, process_group, initialized):
     """The group to reduce over: the one given (a ProcessGroup or a 1-D
-    DeviceMesh); for params of a pipeline stage, the stage's data-parallel
-    group (accumkernels.optim._pipeline), or _NO_REPLICAS; else None (the
-    world, looked up at each call)."""
+    DeviceMesh); for params of a pipeline stage (``stages``: those holding
+    them), the stage's data-parallel group (accumkernels.optim._pipeline), or
+    _NO_REPLICAS; else None (the world, looked up at each call)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if isinstance(process_group, DeviceMesh):
@@ -202,7 +207,6 @@ def _data_parallel_group(params, process_group, initialized):
         return process_group.get_group()
     if process_group is not None or not initialized:
         return process_group
-    stages = _pipeline.stages_holding(params)
     if not stages:
         return None
     group = _pipeline.data_parallel_group(stages[0])

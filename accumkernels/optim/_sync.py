@@ -25,6 +25,7 @@ over (accumkernels.optim._ddp) by whichever sync the wrapper has.
 from __future__ import annotations
 
 import torch
+import torch.distributed
 
 from ._layout import Bucket, Layout, ParamRecord
 from ._window import Window
@@ -38,6 +39,8 @@ class Sync:
     # accum_steps=None, intake "grad", no DDP module to say which backward ends
     # the window: each backward ends with the reduction (see BucketSync.reopen)
     each_backward = False
+    # A pipeline stage's: (its pipeline group, None for the world,), else ()
+    pipeline: tuple = ()
 
     def __init__(self, layout: Layout, window: Window, ddp=None) -> None:
         # ddp: the _ddp.DDPWatch of a process with torch.distributed initialized, else None
@@ -82,7 +85,17 @@ class Sync:
 
     def squared_norm(self, local: torch.Tensor) -> torch.Tensor:
         """The window gradient's squared norm from this rank's part of it."""
-        return local
+        return self.over_stages(local)
+
+    def over_stages(self, squared: torch.Tensor) -> torch.Tensor:
+        """A pipeline stage's squared norm of its params summed over the
+        pipeline's stages: the whole model's, as one process would clip it
+        (every stage's step() takes part, as each rank runs its own)."""
+        if not self.pipeline:
+            return squared
+        total = squared.reshape(1).clone()
+        torch.distributed.all_reduce(total, group=self.pipeline[0])
+        return total.reshape(())
 
     def stream_id(self, index: int) -> int:
         """Param ``index``'s stochastic-rounding stream: its index."""
@@ -107,7 +120,7 @@ def make_sync(options, layout: Layout, window: Window, *, sharded: bool, wire_dt
         return _fsdp.FSDPSync(options.mesh, options.params, layout, window)
     ddp = _ddp.DDPWatch(options.params, window) if options.initialized else None
     if options.world_size > 1:
-        return _distributed.BucketSync(
+        sync = _distributed.BucketSync(
             options.process_group,
             layout,
             window,
@@ -117,4 +130,7 @@ def make_sync(options, layout: Layout, window: Window, *, sharded: bool, wire_dt
             ddp=ddp,
             each_backward=average and options.accum_steps is None,
         )
-    return Sync(layout, window, ddp)
+    else:
+        sync = Sync(layout, window, ddp)
+    sync.pipeline = options.pipeline
+    return sync
