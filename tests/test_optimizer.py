@@ -895,6 +895,24 @@ def test_master_weights_of_a_checkpoint_stay_whichever_is_loaded_first(model_fir
     assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), straight.parameters()))
 
 
+def test_close_gives_bf16_params_their_grad_dtype_back_with_an_assigned_grad():
+    """intake "grad" makes a bf16 param's grad_dtype fp32, so a gradient
+    assigned by hand is fp32; close() gives the grad_dtype back, and such a
+    .grad is converted to it (torch refuses the change while an fp32 .grad is
+    held, which failed here), while the buffer itself leaves .grad."""
+    model = mlp(dtype=torch.bfloat16)
+    first, head = model[0].weight, model[3].weight
+    before = first.grad_dtype
+    opt = ak.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 12).bfloat16()).float().sum().backward()
+    first.grad = torch.full(first.shape, 0.3)
+    opt.close()
+    assert first.grad_dtype == before and head.grad_dtype == before
+    assert first.grad.dtype == torch.bfloat16 and torch.equal(first.grad, torch.full_like(first, 0.3))
+    assert head.grad is None
+    ak.AdamW(model.parameters(), lr=1e-2).close()  # the params are free again
+
+
 def test_bf16_params_holding_a_gradient_when_built_or_added():
     """A gradient a bf16 param holds before the optimizer takes it (a backward
     before it is built; backwards while it trained outside the optimizer,

@@ -1168,12 +1168,19 @@ class GradIntake(Intake):
         torch._foreach_mul_([r.buffer for r in records], coef)
 
     def close(self) -> None:
+        """The buffers leave ``.grad``; a 16-bit param gets its own grad_dtype
+        back, and a gradient assigned to its ``.grad`` by hand (fp32: the
+        grad_dtype this intake gave it) is converted to that dtype, which
+        torch requires of it from then on."""
         super().close()
         for r in self.layout:
             if r.param.grad is r.buffer:
                 r.param.grad = None
             if r.index in self._grad_dtypes:
-                r.param.grad_dtype = self._grad_dtypes[r.index]
+                grad, r.param.grad = r.param.grad, None
+                dtype = r.param.grad_dtype = self._grad_dtypes[r.index]
+                if grad is not None:
+                    r.param.grad = grad.to(r.param.dtype if dtype is None else dtype)
 
 
 def _copy_into(buffer: torch.Tensor, grad: torch.Tensor) -> None:
