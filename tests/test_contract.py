@@ -497,6 +497,69 @@ def test_a_counted_window_needs_no_zero_grad():
     _assert_fused_close(ours, plain)
 
 
+@pytest.mark.parametrize("intake", ["grad", "hooks"])
+@pytest.mark.parametrize("clear", list(CLEARS))
+def test_a_counted_window_keeps_its_sums_through_clears_after_each_step(clear, intake):
+    """accum_steps=N: a loop that clears after every step() call, micro-steps
+    included (torch.optim's loop with the optimizer counting the window),
+    trains as torch's loop that clears after each window, both intakes. A
+    clear in place (model.zero_grad(set_to_none=False)) would write over the
+    window's running sum (intake "grad": it is .grad; before, it was lost, and
+    model.zero_grad() or .grad = None started the param's sum over): refused
+    at the next step(), nothing stepped, until optimizer.zero_grad() starts
+    the window over."""
+    micro = 3
+
+    def train(model, opt, counted):
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            for _ in range(micro):
+                loss = model(torch.randn(4, 5, generator=gen)).pow(2).mean()
+                (loss if counted else loss / micro).backward()
+                if counted:
+                    opt.step()
+                    CLEARS[clear](model, opt)
+            if not counted:
+                opt.step()
+                opt.zero_grad()
+        return list(model.parameters())
+
+    model, plain_model = _mlp(), _mlp()
+    opt = ak.AdamW(model.parameters(), **FUSED["AdamW"], accum_steps=micro, intake=intake)
+    plain = train(plain_model, torch.optim.AdamW(plain_model.parameters(), **FUSED["AdamW"]), False)
+    if clear != "model.zero_grad(set_to_none=False)":
+        _assert_fused_close(train(model, opt, True), plain, steps=2)
+        return
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"zero_grad\(set_to_none=False\)|folded param"):
+        train(model, opt, True)
+    assert all(map(torch.equal, model.parameters(), before)) and opt.micro_steps == 1
+    if intake == "grad":  # the way out it names: zero_grad() starts the window over
+        opt.zero_grad()
+        assert opt.micro_steps == 0
+        model(torch.randn(4, 5)).pow(2).mean().backward()
+        opt.step()
+        assert opt.micro_steps == 1
+
+
+def test_a_counted_windows_zero_grad_between_backward_and_step_discards_that_backward():
+    """accum_steps=N, intake "grad": zero_grad() between a backward and its
+    step() discards the window so far, as in plain PyTorch, and the backward
+    after it is the micro-step's one (it was refused as a second backward)."""
+    model, plain_model = _mlp(), _mlp()
+    opt = ak.AdamW(model.parameters(), **FUSED["AdamW"], accum_steps=2, intake="grad")
+    plain_opt = torch.optim.AdamW(plain_model.parameters(), **FUSED["AdamW"])
+    for m, o, divisor in ((model, opt, 1), (plain_model, plain_opt, 2)):
+        gen = torch.Generator().manual_seed(1)
+        for k in range(3):
+            (m(torch.randn(4, 5, generator=gen)).pow(2).mean() / divisor).backward()
+            if k == 0:
+                o.zero_grad()
+            elif o is opt or k == 2:
+                o.step()
+    _assert_fused_close(list(model.parameters()), list(plain_model.parameters()), steps=1)
+
+
 def _mask_rows(params):
     mask = torch.tensor([[1.0], [0.0], [1.0], [0.0]])
     params[0].register_hook(lambda g: g * mask)

@@ -392,6 +392,10 @@ class Intake:
         and put back as a gradient arrived, was noted then (window.unzeroed)."""
         raise NotImplementedError
 
+    def refuse_lost_sums(self) -> None:
+        """At step(), before anything is counted: refuse a window whose sums
+        other code overwrote (intake "grad": see its own)."""
+
     def after_step(self) -> None:
         """The window's update is done (or skipped)."""
 
@@ -907,6 +911,9 @@ class GradIntake(Intake):
         self._grad_dtypes = {}  # (before anything close() gives back)
         super().__init__(*args, **kwargs)
         self._reduction_queued = False
+        # accum_steps=N: other code wrote into the buffers between two step()
+        # calls of the window, after its first gradients (refuse_lost_sums)
+        self._sums_overwritten = False
         # accum_steps=None: the buffers keep the gradients a step used (the
         # params in _used), as torch.optim's .grad does, until a clear.
         self.zero_buffers_at_step = self.accum_steps is not None
@@ -963,9 +970,25 @@ class GradIntake(Intake):
         intent = self.window.sync_intent
         return self.sync.each_backward if intent is None else intent
 
+    def _between_micro_steps(self, r: ParamRecord | None = None) -> bool:
+        """A counted window (accum_steps=N) holds sums of earlier micro-steps
+        (of ``r``'s, if given), and no gradient arrived since the last step()
+        (of ``r``, if given): a clear of ``.grad`` here follows a micro-step's
+        step(), where optimizer.zero_grad() is harmless (docs/optimizers.md)."""
+        if self.accum_steps is None or not self.window.micro_steps:
+            return False
+        if r is None:
+            return not self.window.grads_since_step and bool(self.window.touched)
+        return r.index in self.window.touched and self.arrivals.get(r.index, 0) <= 1
+
     def _take(self, r: ParamRecord, arg=None) -> None:
         self._check_param(r)
         grad = r.param.grad
+        # Other code wrote into the buffers since the last step() of a counted
+        # window, before its gradients (autograd's add into .grad bumps the
+        # version once): its earlier micro-steps' sums were overwritten.
+        if self._between_micro_steps() and self.layout.flat._version > self._seen_version + (grad is r.buffer):
+            self._sums_overwritten = True
         sync = self.sync
         if sync.reduces_buffers and not self._reduction_queued:
             if sync.started and not (self.accum_steps is None and sync.reopen()):
@@ -984,10 +1007,16 @@ class GradIntake(Intake):
                 torch.autograd.Variable._execution_engine.queue_callback(self._reduce)
         if grad is not r.buffer and grad is not None:
             # .grad was dropped (model.zero_grad()) or replaced: autograd made a
-            # new one; it starts this param's sum over, as it would in plain PyTorch.
+            # new one; it starts this param's sum over, as it would in plain
+            # PyTorch, except after a step() of a counted window, where the
+            # clear is as harmless as optimizer.zero_grad() (and intake "hooks"'):
+            # the new gradient adds to the window's sum.
             self.window.unzeroed.discard(r.index)
             self._check_shape(r, grad)
-            _copy_into(r.buffer, grad)
+            if self._between_micro_steps(r):
+                _add_into(r.buffer, grad)
+            else:
+                _copy_into(r.buffer, grad)
             r.param.grad = r.buffer
         elif not self.layout.aliased(r):
             self._reattach(r)
@@ -1032,7 +1061,9 @@ class GradIntake(Intake):
                 continue
             if grad is r.buffer or (grad is None and not r.param.requires_grad):
                 continue
-            if grad is None:
+            if grad is None and self._between_micro_steps(r) and r.index not in self.arrivals:
+                pass  # dropped after a counted window's step(), before a gradient: harmless (see _take)
+            elif grad is None:
                 if r.index in self.window.touched or r.index in self._used:  # dropped: its sum is discarded
                     r.buffer.zero_()
                     self.window.touched.discard(r.index)
@@ -1040,13 +1071,35 @@ class GradIntake(Intake):
                 self.window.forget_grad(r.index)  # no gradient, as in plain PyTorch: not stepped
             else:
                 self._check_shape(r, grad)
-                _copy_into(r.buffer, grad)
+                if self._between_micro_steps(r) and r.index not in self.arrivals:
+                    _add_into(r.buffer, grad)  # assigned after a counted window's step(): a gradient too
+                else:
+                    _copy_into(r.buffer, grad)
                 self.window.touched.add(r.index)
                 self.window.grads_since_step = True
                 self._used.discard(r.index)
             self.window.unzeroed.discard(r.index)  # dropped or replaced: cleared, as in plain PyTorch
             self.set_grad(r, r.buffer)
         self._account_writes()  # (the writes above are the intake's own)
+
+    def refuse_lost_sums(self) -> None:
+        """A counted window (accum_steps=N) whose buffers other code wrote into
+        between two step() calls, after its first micro-step
+        (``model.zero_grad(set_to_none=False)``, ``p.grad.zero_()``): ``.grad``
+        holds the window's running sum, so its earlier micro-steps are lost,
+        where optimizer.zero_grad() and ``model.zero_grad()`` are harmless (and
+        intake "hooks" refuses the write). Refused at every step() of the
+        window, before anything is counted, until zero_grad() starts it over."""
+        if self._between_micro_steps() and self.layout.flat._version != self._seen_version:
+            self._sums_overwritten = True
+        if self._sums_overwritten:
+            raise RuntimeError(
+                "the window's sums were written over between two of its step() calls (e.g. "
+                "model.zero_grad(set_to_none=False) or p.grad.zero_() after a micro-step's step()): with "
+                "accum_steps=N, .grad holds the window's running sum, which the window's last step() clears, so "
+                "no clear is needed there (optimizer.zero_grad() and model.zero_grad() are harmless). Its earlier "
+                "micro-steps are lost: call optimizer.zero_grad() to start the window over"
+            )
 
     def uncleared(self, indices: set[int]) -> set[int]:
         """Those whose ``.grad`` is still their buffer, unless something but
@@ -1102,11 +1155,13 @@ class GradIntake(Intake):
         the gradient it used."""
         if not self.zero_buffers_at_step:
             self._used |= self.window.touched
+        self._sums_overwritten = False
         self._account_writes()
 
     def restore_sums(self, sums: torch.Tensor) -> None:
         super().restore_sums(sums)
         self._used.clear()  # (every buffer was written, by the intake itself)
+        self._sums_overwritten = False
         self._account_writes()
 
     def before_zero_grad(self) -> None:
@@ -1121,11 +1176,18 @@ class GradIntake(Intake):
         GradScaler skipped), are discarded (those written into ``.grad`` in
         place or assigned too: before_zero_grad()): every buffer holds zeros
         after it (``set_to_none`` is the window's to record)."""
+        if self._sums_overwritten:  # (refuse_lost_sums): the window starts over
+            self.layout.zero_all()
+            self.window.clear()
+            self.start_micro_step()
+            self._sums_overwritten = False
+            self._account_writes()
         if self.window.grads_since_step or self._used:
             self.layout.zero_all()
             self._used.clear()
             if self.window.grads_since_step:
                 self.window.clear()
+                self.start_micro_step()  # the discarded gradients count as no backward
             self._account_writes()
 
     def set_grad(self, r: ParamRecord, grad: torch.Tensor | None) -> None:
@@ -1181,6 +1243,11 @@ class GradIntake(Intake):
                 dtype = r.param.grad_dtype = self._grad_dtypes[r.index]
                 if grad is not None:
                     r.param.grad = grad.to(r.param.dtype if dtype is None else dtype)
+
+
+def _add_into(buffer: torch.Tensor, grad: torch.Tensor) -> None:
+    """buffer += grad, for a dense or sparse gradient."""
+    buffer.add_(grad)
 
 
 def _copy_into(buffer: torch.Tensor, grad: torch.Tensor) -> None:

@@ -419,6 +419,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         ends_window = self.accum_steps is None or window.micro_steps + 1 >= self.accum_steps
         self._check_param_groups(every_param=ends_window)
         self._refuse_several_backwards()
+        self._intake.refuse_lost_sums()
         if window.unzeroed:
             self._refuse_uncleared_grads()
         window.count_items(num_items, ends_window)
