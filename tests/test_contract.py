@@ -368,6 +368,63 @@ def test_random_torch_optim_loops_train_as_torch_or_are_refused(intake):
     assert refused < 40, "every loop was refused: the test compares nothing"
 
 
+# The calls of the random counted-window loops below (zero_grad(set_to_none=False)
+# left out: which params it keeps stepping spans windows, a contract of its own).
+COUNTED_OPS = [*["backward"] * 4, *["step"] * 4, "zero_grad", "model.zero_grad", "p0 = None", "lr", "reload"]
+
+
+@pytest.mark.parametrize("intake", ["grad", "hooks"])
+def test_random_counted_window_loops_train_as_torch_or_are_refused(intake):
+    """accum_steps=N (3), 30 random loops of COUNTED_OPS then N step() calls:
+    ours ends within _assert_fused_close's bound of torch.optim's loop that
+    divides each loss by N, steps at every N-th step() call and clears after
+    it, or refuses a call before it changed a param. A clear after a step()
+    with no backward since is harmless in ours (the window is the wrapper's),
+    so torch's loop skips it; one between a backward and its step() is
+    torch's (intake "grad": zero_grad() discards the window, whose count
+    starts over; "hooks" refuses it)."""
+    micro, rng, refused = 3, random.Random(torch.initial_seed()), 0
+    for _ in range(30):
+        ops = [rng.choice(COUNTED_OPS) for _ in range(rng.randint(4, 16))] + ["step"] * micro
+        model, plain_model = _mlp(), _mlp()
+        opt = ak.AdamW(model.parameters(), **FUSED["AdamW"], accum_steps=micro, intake=intake)
+        plain_opt = torch.optim.AdamW(plain_model.parameters(), **FUSED["AdamW"])
+        gens = [torch.Generator().manual_seed(3) for _ in range(2)]
+        calls, since_backward, steps = 0, False, 0
+        for k, op in enumerate(ops):
+            before = [p.detach().clone() for p in model.parameters()]
+            try:
+                if op == "backward":
+                    model(torch.randn(4, 5, generator=gens[0])).pow(2).mean().backward()
+                else:
+                    _apply(op, model, opt, gens[0], [])
+            except RuntimeError:
+                assert all(map(torch.equal, model.parameters(), before)), f"{ops[: k + 1]}: refused after a change"
+                refused += 1
+                break
+            if op == "backward":
+                (plain_model(torch.randn(4, 5, generator=gens[1])).pow(2).mean() / micro).backward()
+                since_backward = True
+            elif op == "step":
+                calls, since_backward = calls + 1, False
+                if calls % micro == 0:
+                    plain_opt.step()
+                    plain_opt.zero_grad()
+                    steps += 1
+            elif op in ("lr", "reload"):
+                _apply(op, plain_model, plain_opt, gens[1], [])
+            elif since_backward:  # a clear between a backward and its step()
+                _apply(op, plain_model, plain_opt, gens[1], [])
+                if op == "zero_grad":
+                    calls, since_backward = 0, False
+        else:
+            try:
+                _assert_fused_close(list(model.parameters()), list(plain_model.parameters()), steps=max(steps, 1))
+            except AssertionError as e:
+                raise AssertionError(f"{intake} {ops}: {e}") from None
+    assert refused < 30, "every loop was refused: the test compares nothing"
+
+
 def test_grad_after_step_holds_what_torchs_holds():
     """accum_steps=None, intake "grad": step() leaves .grad holding the
     gradient it used, as torch.optim's does, until it is cleared, so a norm
