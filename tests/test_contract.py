@@ -599,6 +599,27 @@ def test_a_counted_window_keeps_its_sums_through_clears_after_each_step(clear, i
         assert opt.micro_steps == 1
 
 
+def test_a_counted_windows_own_clip_between_step_calls_writes_over_nothing():
+    """accum_steps=N, intake "grad": the wrapper's clip_grad_norm_() writes
+    into .grad too, but that write is its own: no step() after it is refused
+    as one whose sums other code wrote over (with a clip that does not act,
+    the window trains as without it). After a window's last step() it has no
+    gradient to clip and returns 0, as torch's does on no .grad (it raised:
+    _foreach_mul_ refuses an empty list)."""
+    runs = []
+    for clip in (False, True):
+        model = _mlp()
+        opt = ak.AdamW(model.parameters(), **FUSED["AdamW"], accum_steps=2, intake="grad")
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            model(torch.randn(4, 5, generator=gen)).pow(2).mean().backward()
+            opt.step()
+            if clip:
+                opt.clip_grad_norm_(1e9)
+        runs.append(list(model.parameters()))
+    _assert_fused_close(*runs, steps=2)
+
+
 def test_a_counted_windows_zero_grad_between_backward_and_step_discards_that_backward():
     """accum_steps=N, intake "grad": zero_grad() between a backward and its
     step() discards the window so far, as in plain PyTorch, and the backward

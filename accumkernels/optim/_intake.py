@@ -1226,8 +1226,15 @@ class GradIntake(Intake):
             )
 
     def clip(self, records: list[ParamRecord], coef: torch.Tensor) -> None:
-        """``.grad`` is the buffers: clipped now, as torch's clip_grad_norm_ would."""
+        """``.grad`` is the buffers: clipped now, as torch's clip_grad_norm_ would.
+        The write is the intake's own (where every earlier one was accounted
+        for: one by other code stays to be looked at)."""
+        if not records:  # no gradient in the window (its norm is 0), as torch's on no .grad
+            return
+        own = self.layout.flat._version == self._seen_version and not self._unseen_write
         torch._foreach_mul_([r.buffer for r in records], coef)
+        if own:
+            self._account_writes()
 
     def close(self) -> None:
         """The buffers leave ``.grad``; a 16-bit param gets its own grad_dtype
