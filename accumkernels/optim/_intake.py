@@ -95,12 +95,11 @@ def _call_weak(ref, index, arg) -> None:
         intake._on_grad(index, arg)
 
 
-def _shard_weak(ref, index, arg) -> None:
-    """An FSDP2 param's post-accumulate-grad hook (``arg``: the param), or its
-    marker's sink (``arg``: a shard added into ``.grad``), held weakly."""
+def _shard_weak(ref, index, param) -> None:
+    """An FSDP2 param's post-accumulate-grad hook, held weakly."""
     intake = ref()
     if intake is not None:
-        intake._on_shard(index, arg)
+        intake._on_shard(index)
 
 
 def _deliver_weak(ref, bucket, taken) -> None:
@@ -439,12 +438,11 @@ class HookIntake(Intake):
     def _register(self, r: ParamRecord):
         if r.local_of is not None:
             # FSDP2 assigns the reduced shard to a .grad it finds None, or adds
-            # it into the one it finds (the marker's sink takes it), and runs
-            # the post-accumulate-grad hooks itself.
-            take = functools.partial(_shard_weak, self._ref, r.index)
-            r.marker = FoldedGrad(r.local, r.index, sink=take)
+            # it into the one it finds (the marker's sink takes it as a
+            # gradient), and runs the post-accumulate-grad hooks itself.
+            r.marker = FoldedGrad(r.local, r.index, sink=functools.partial(_call_weak, self._ref, r.index))
             self._markers[r.index] = (r.param, sharded_grad(r.marker, r.param))
-            return r.param.register_post_accumulate_grad_hook(take)
+            return r.param.register_post_accumulate_grad_hook(functools.partial(_shard_weak, self._ref, r.index))
         self._markers[r.index] = (r.param, FoldedGrad(r.param, r.index))
         r.marker = self._markers[r.index][1]  # (read by _arrive: one attribute instead of two lookups)
         # A pre-hook of the param's gradient accumulator (kept alive: torch holds
@@ -622,15 +620,11 @@ class HookIntake(Intake):
             "once per micro-step"
         )
 
-    def _on_shard(self, index: int, arg) -> None:
-        """An FSDP2 param's reduced shard: added into its marker (``arg``: the
-        shard), or assigned to a ``.grad`` FSDP2 found None, or added into a
-        tensor assigned there (``arg``: the param; the marker's add took it
-        already where ``.grad`` is the marker)."""
+    def _on_shard(self, index: int) -> None:
+        """An FSDP2 param's post-accumulate-grad hook: the reduced shard FSDP2
+        assigned to a ``.grad`` it found None, or added into a tensor assigned
+        there. (Added into the marker, its sink gave it to ``_on_grad`` already.)"""
         r = self.layout.records[index]
-        if isinstance(arg, torch.Tensor) and arg is not r.param:
-            self._on_grad(index, arg)
-            return
         grad = r.local_grad()
         if grad is None or grad is r.marker:
             return
@@ -640,8 +634,8 @@ class HookIntake(Intake):
         self._on_grad(index, grad)
 
     def _take(self, r: ParamRecord, grad: torch.Tensor) -> None:
-        """An FSDP2 param's reduced shard (from ``_on_shard``): ``.grad`` becomes
-        its marker. (Plain params: ``_arrive``.)"""
+        """An FSDP2 param's reduced shard (from ``_on_shard`` or the marker's
+        sink): ``.grad`` becomes its marker. (Plain params: ``_arrive``.)"""
         self._check_arriving(r, grad)
         r.param.grad = self._markers[r.index][1]
         self._pend(r, self._laid_out(r, grad))
@@ -1014,7 +1008,7 @@ class GradIntake(Intake):
             self.window.unzeroed.discard(r.index)
             self._check_shape(r, grad)
             if self._between_micro_steps(r):
-                _add_into(r.buffer, grad)
+                r.buffer.add_(grad)
             else:
                 _copy_into(r.buffer, grad)
             r.param.grad = r.buffer
@@ -1061,8 +1055,10 @@ class GradIntake(Intake):
                 continue
             if grad is r.buffer or (grad is None and not r.param.requires_grad):
                 continue
-            if grad is None and self._between_micro_steps(r) and r.index not in self.arrivals:
-                pass  # dropped after a counted window's step(), before a gradient: harmless (see _take)
+            # cleared or assigned after a counted window's step(), before a gradient: see _take
+            kept = self._between_micro_steps(r) and r.index not in self.arrivals
+            if grad is None and kept:
+                pass  # harmless
             elif grad is None:
                 if r.index in self.window.touched or r.index in self._used:  # dropped: its sum is discarded
                     r.buffer.zero_()
@@ -1071,8 +1067,8 @@ class GradIntake(Intake):
                 self.window.forget_grad(r.index)  # no gradient, as in plain PyTorch: not stepped
             else:
                 self._check_shape(r, grad)
-                if self._between_micro_steps(r) and r.index not in self.arrivals:
-                    _add_into(r.buffer, grad)  # assigned after a counted window's step(): a gradient too
+                if kept:
+                    r.buffer.add_(grad)  # a gradient too
                 else:
                     _copy_into(r.buffer, grad)
                 self.window.touched.add(r.index)
@@ -1176,18 +1172,16 @@ class GradIntake(Intake):
         GradScaler skipped), are discarded (those written into ``.grad`` in
         place or assigned too: before_zero_grad()): every buffer holds zeros
         after it (``set_to_none`` is the window's to record)."""
-        if self._sums_overwritten:  # (refuse_lost_sums): the window starts over
-            self.layout.zero_all()
-            self.window.clear()
-            self.start_micro_step()
-            self._sums_overwritten = False
-            self._account_writes()
-        if self.window.grads_since_step or self._used:
+        # The window so far is discarded (and so, after refuse_lost_sums, is
+        # the rest of a window whose sums other code wrote over).
+        discard = self.window.grads_since_step or self._sums_overwritten
+        if discard or self._used:
             self.layout.zero_all()
             self._used.clear()
-            if self.window.grads_since_step:
+            if discard:
                 self.window.clear()
                 self.start_micro_step()  # the discarded gradients count as no backward
+                self._sums_overwritten = False
             self._account_writes()
 
     def set_grad(self, r: ParamRecord, grad: torch.Tensor | None) -> None:
@@ -1250,11 +1244,6 @@ class GradIntake(Intake):
                 dtype = r.param.grad_dtype = self._grad_dtypes[r.index]
                 if grad is not None:
                     r.param.grad = grad.to(r.param.dtype if dtype is None else dtype)
-
-
-def _add_into(buffer: torch.Tensor, grad: torch.Tensor) -> None:
-    """buffer += grad, for a dense or sparse gradient."""
-    buffer.add_(grad)
 
 
 def _copy_into(buffer: torch.Tensor, grad: torch.Tensor) -> None:

@@ -25,7 +25,6 @@ over (accumkernels.optim._ddp) by whichever sync the wrapper has.
 from __future__ import annotations
 
 import torch
-import torch.distributed
 
 from ._layout import Bucket, Layout, ParamRecord
 from ._window import Window
@@ -93,9 +92,9 @@ class Sync:
         (every stage's step() takes part, as each rank runs its own)."""
         if not self.pipeline:
             return squared
-        total = squared.reshape(1).clone()
-        torch.distributed.all_reduce(total, group=self.pipeline[0])
-        return total.reshape(())
+        from ._distributed import sum_over_ranks  # (it imports this module)
+
+        return sum_over_ranks(squared, self.pipeline[0])
 
     def stream_id(self, index: int) -> int:
         """Param ``index``'s stochastic-rounding stream: its index."""
