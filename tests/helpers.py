@@ -152,6 +152,12 @@ def _window_gradient(micro_grads, divisor, reduce_error=0.0):
     return exact, error
 
 
+def exact_window_norm(micro_grads, divisor) -> float:
+    """The L2 norm of the exact window gradient (float64; see _window_gradient)."""
+    exact, _ = _window_gradient(micro_grads, divisor)
+    return torch.cat([g.flatten() for g in exact]).norm().item()
+
+
 def _clipped(grad, error, max_norm):
     """clip_grad_norm_'s c = min(1, max_norm / (norm + 1e-6)) applied to the
     exact gradient, and the bound on fp32's c * g: its norm is of a gradient

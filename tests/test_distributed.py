@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import NATIVE_SKIPPED, SEED
-from helpers import assert_windows_within_bound
+from helpers import assert_windows_within_bound, exact_window_norm
 
 import accumkernels as ak
 
@@ -245,11 +245,7 @@ def test_framework_loop_over_ddp(runs, case):
     assert all(r["ddp_calls"] == 0 for r in results)
     assert same(results[1]["params"], ours["params"])
     gradients = worker.window_gradients(dict(CASES_2[case], seed=WORKER_SEED), 2, worker.N_MICRO)
-    exact_norms = []
-    for w, params in enumerate(ours["trajectory"][:-1]):
-        grads, divisor = gradients(w, params)
-        window = torch.cat([sum(g[i].double() for g in grads).flatten() for i in range(len(params))])
-        exact_norms.append(window.norm().item() / divisor)
+    exact_norms = [exact_window_norm(*gradients(w, params)) for w, params in enumerate(ours["trajectory"][:-1])]
     assert min(exact_norms) > 0.05
     for r in results:
         torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(exact_norms), rtol=1e-5, atol=0)
