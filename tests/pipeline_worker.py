@@ -65,39 +65,71 @@ def _schedule(name: str, stage):
     return cls(stage, MICRO, loss_fn=lambda out, target: F.mse_loss(out, target))
 
 
-def train_pipeline(cfg, pp_rank: int, dp_rank: int, pp_group, wrapper_options: dict, wrapper_first=False):
+def torch_clip(params, max_norm: float, pp_group) -> float:
+    """How torch users clip a pipeline (torchtitan's clip_grad_norm_ with a
+    pp mesh): each stage's squared norm of ``.grad`` summed over the pipeline
+    group, every stage clipped by the whole model's norm; between
+    ``schedule.step()`` and ``step()``, where torch's data-parallel
+    reduction (DDP, FSDP) has made ``.grad`` the stage's global gradient."""
+    params = [p for p in params if p.grad is not None]
+    squared = torch.nn.utils.get_total_norm([p.grad for p in params]) ** 2
+    dist.all_reduce(squared, group=pp_group)
+    total = squared.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return float(total)
+
+
+def train_pipeline(
+    cfg, pp_rank: int, dp_rank: int, pp_group, wrapper_options: dict | None, wrapper_first=False, dp_group=None
+):
     """Stage ``pp_rank`` of the pipeline on ``pp_group``: the stage's params
-    before the first window and after each."""
+    before the first window and after each, and the norms torch's clip
+    logged (cfg["torch_clip"]: clipping to it between the schedule's step and
+    the optimizer's). ``wrapper_options`` None: torch's AdamW alone;
+    ``dp_group``: the stage module wrapped in DDP over it, as torch's
+    pipelining supports; cfg["schedule_steps"]: schedule steps per window."""
     from torch.distributed.pipelining import PipelineStage
 
     equal = cfg.get("equal_stages", False)
     model = full_model(equal)
     sub = stage_module(model, pp_rank, equal)
-    opt = None
-    if wrapper_first:
-        opt = ak.AccumulatingOptimizer(make_inner(sub.parameters()), backend=cfg["backend"], **wrapper_options)
-    stage = PipelineStage(sub, pp_rank, 2, torch.device("cpu"), group=pp_group)
-    if opt is None:
-        opt = ak.AccumulatingOptimizer(make_inner(sub.parameters()), backend=cfg["backend"], **wrapper_options)
+
+    def optimizer():
+        if wrapper_options is None:
+            return make_inner(sub.parameters())
+        return ak.AccumulatingOptimizer(make_inner(sub.parameters()), backend=cfg["backend"], **wrapper_options)
+
+    opt = optimizer() if wrapper_first else None
+    module = sub if dp_group is None else nn.parallel.DistributedDataParallel(sub, process_group=dp_group)
+    stage = PipelineStage(module, pp_rank, 2, torch.device("cpu"), group=pp_group)
+    opt = opt or optimizer()
     schedule = _schedule(cfg["schedule"], stage)
-    trajectory = [[p.detach().clone() for p in sub.parameters()]]
+    trajectory, norms = [[p.detach().clone() for p in sub.parameters()]], []
     for w in range(WINDOWS):
-        x, y = batch(cfg["seed"], w, dp_rank, 12 if equal else 3)
-        if pp_rank == 0:
-            schedule.step(x)
-        else:
-            schedule.step(target=y, losses=[])
+        for k in range(cfg.get("schedule_steps", 1)):
+            x, y = batch(cfg["seed"], w + 1000 * k, dp_rank, 12 if equal else 3)
+            if pp_rank == 0:
+                schedule.step(x)
+            else:
+                schedule.step(target=y, losses=[])
+        if cfg.get("torch_clip"):
+            norms.append(torch_clip(sub.parameters(), cfg["torch_clip"], pp_group or dist.group.WORLD))
         opt.step()
         opt.zero_grad()
         trajectory.append([p.detach().clone() for p in sub.parameters()])
-    return trajectory, opt
+    return trajectory, norms, opt
 
 
 def _error(run) -> str | None:
+    """The error ``run()`` raised, with its causes (a schedule re-raises a backward's error)."""
     try:
         run()
     except (RuntimeError, ValueError) as e:
-        return str(e)
+        messages = []
+        while e is not None:
+            messages.append(str(e))
+            e = e.__cause__
+        return " <- ".join(messages)
     return None
 
 
@@ -109,8 +141,8 @@ def _options(cfg) -> dict:
 def pipeline_only(cfg, rank, world):
     """Two ranks, one stage each, no data parallelism: the wrapper built after
     the stage (defaults, or clipping by the whole model's norm)."""
-    trajectory, opt = train_pipeline(cfg, rank, 0, None, _options(cfg))
-    return {"trajectory": trajectory, "world_size": opt.world_size}
+    trajectory, norms, opt = train_pipeline(cfg, rank, 0, None, _options(cfg))
+    return {"trajectory": trajectory, "norms": norms, "world_size": opt.world_size}
 
 
 def mesh_pp_dp(cfg, rank, world):
@@ -120,8 +152,8 @@ def mesh_pp_dp(cfg, rank, world):
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-    found, opt = train_pipeline(cfg, pp_rank, dp_rank, mesh["pp"].get_group(), _options(cfg))
-    given, given_opt = train_pipeline(
+    found, norms, opt = train_pipeline(cfg, pp_rank, dp_rank, mesh["pp"].get_group(), _options(cfg))
+    given, given_norms, given_opt = train_pipeline(
         cfg, pp_rank, dp_rank, mesh["pp"].get_group(), {"process_group": mesh["dp"], **_options(cfg)}
     )
     return {
@@ -129,9 +161,51 @@ def mesh_pp_dp(cfg, rank, world):
         "dp_rank": dp_rank,
         "trajectory": found,
         "given": given,
+        "norms": norms,
+        "given_norms": given_norms,
         "world_size": opt.world_size,
         "given_world_size": given_opt.world_size,
     }
+
+
+def mesh_against_ddp(cfg, rank, world):
+    """(pp=2, dp=2), cfg["schedule_steps"] schedule steps per window, torch's
+    clip between the last and step(): the run torch users have (each stage
+    module wrapped in DDP over dp, which reduces in each schedule step's last
+    backward; torch's AdamW) and the wrapper on plain stages (which reduces
+    when each schedule step's backwards end); and the wrapper over a DDP
+    stage, which is refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp_rank, dp_rank, pp_group = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank(), mesh["pp"].get_group()
+    dp_group = mesh["dp"].get_group()
+    runs = {
+        "torch": train_pipeline(cfg, pp_rank, dp_rank, pp_group, None, dp_group=dp_group),
+        "ours": train_pipeline(cfg, pp_rank, dp_rank, pp_group, {}),
+    }
+    out = {name: {"trajectory": run[0], "norms": run[1]} for name, run in runs.items()}
+    out["ddp_stage"] = _error(lambda: train_pipeline(cfg, pp_rank, dp_rank, pp_group, {}, dp_group=dp_group))
+    return out
+
+
+def _single_stage_two_schedule_steps(cfg, wire_dtype):
+    """A one-stage pipeline on a (pp=1, dp=2) mesh, two schedule steps before step()."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "dp"))
+    model = full_model()
+    stage = PipelineStage(model, 0, 1, torch.device("cpu"), group=mesh["pp"].get_group())
+    opt = ak.AccumulatingOptimizer(make_inner(model.parameters()), backend=cfg["backend"], wire_dtype=wire_dtype)
+    schedule = ScheduleGPipe(stage, MICRO, loss_fn=lambda out, target: F.mse_loss(out, target))
+    try:
+        for k in range(2):
+            x, y = batch(cfg["seed"], k, mesh["dp"].get_local_rank())
+            schedule.step(x, target=y)
+        opt.step()
+    finally:
+        opt.close()
 
 
 def refusals(cfg, rank, world):
@@ -147,10 +221,20 @@ def refusals(cfg, rank, world):
     )
     dist.barrier()
     out["hooks"] = _error(lambda: train_pipeline(cfg, rank, 0, None, {"intake": "hooks"}))
+    dist.barrier()
+    # A bf16 wire rounds each rank's contribution once per window: a second
+    # schedule step after the window's reduction is refused (a float32 one is
+    # summed: mesh_against_ddp).
+    out["bf16_wire_two_schedule_steps"] = _error(lambda: _single_stage_two_schedule_steps(cfg, torch.bfloat16))
     return out
 
 
-SCENARIOS = {"pipeline_only": pipeline_only, "mesh_pp_dp": mesh_pp_dp, "refusals": refusals}
+SCENARIOS = {
+    "pipeline_only": pipeline_only,
+    "mesh_pp_dp": mesh_pp_dp,
+    "mesh_against_ddp": mesh_against_ddp,
+    "refusals": refusals,
+}
 
 
 def _run_case(cfg: dict, rank: int, world: int):

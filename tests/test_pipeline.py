@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import assert_windows_within_bound, exact_window_norm
+from test_contract import STEP_ULPS
 from test_distributed import WORKER_SEED, spawn
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
@@ -22,10 +23,13 @@ CASES_2 = {
     "1f1b": dict(scenario="pipeline_only", schedule="1f1b"),
     "refusals": dict(scenario="refusals", schedule="gpipe"),
     "gpipe-clip": dict(scenario="pipeline_only", schedule="gpipe", clip=CLIP),
+    "gpipe-torch-clip": dict(scenario="pipeline_only", schedule="gpipe", torch_clip=CLIP),
 }
 CASES_4 = {
     "mesh-1f1b": dict(scenario="mesh_pp_dp", schedule="1f1b"),
     "mesh-1f1b-clip": dict(scenario="mesh_pp_dp", schedule="1f1b", clip=CLIP),
+    "mesh-1f1b-torch-clip": dict(scenario="mesh_pp_dp", schedule="1f1b", torch_clip=CLIP),
+    "mesh-against-ddp": dict(scenario="mesh_against_ddp", schedule="1f1b", torch_clip=CLIP, schedule_steps=2),
 }
 
 
@@ -34,38 +38,51 @@ def runs():
     return {2: spawn(2, CASES_2, worker.main), 4: spawn(4, CASES_4, worker.main)}
 
 
-def assert_stages_exact_to_fp32(stages: list[list[list[torch.Tensor]]], schedule: str, dp: int, clip=None) -> None:
+def _clip(case: dict):
+    """The norm a case clips to: by the wrapper's max_grad_norm= or by torch's clip on .grad."""
+    return case.get("clip") or case.get("torch_clip")
+
+
+def assert_stages_exact_to_fp32(stages: list[list[list[torch.Tensor]]], dp: int, clip=None, logged=()) -> None:
     """``stages``: stage 0's and stage 1's trajectories. Joined into the whole
     model's, every window is the exact AdamW step of the whole model on all
     data-parallel ranks' batches (clipped to ``clip`` by the whole model's
-    norm), to the fp32 error bound (tests/helpers.py)."""
+    norm), to the fp32 error bound (tests/helpers.py). ``logged``: each rank's
+    norms from torch's clip, each the exact window norm to 1e-5 (a sum within
+    gamma_{n+2} of the exact one, its norm computed in fp32 over 1,603 elements)."""
     whole = [first + second for first, second in zip(*stages)]
     gradients = worker.window_gradients(dict(seed=WORKER_SEED), dp)
+    exact_norms = [exact_window_norm(*gradients(w, params)) for w, params in enumerate(whole[:-1])]
     if clip is not None:
-        for w, params in enumerate(whole[:-1]):
-            assert exact_window_norm(*gradients(w, params)) > clip, f"window {w}: the clip would not act"
+        assert min(exact_norms) > clip, "the clip would not act"
+    for norms in logged:
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(exact_norms), rtol=1e-5, atol=0)
     assert_windows_within_bound(whole, gradients, worker.make_inner([torch.zeros(1)]), clip=clip)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "gpipe-clip"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "gpipe-clip", "gpipe-torch-clip"])
 def test_each_stage_equals_one_process(runs, schedule):
     """Stages of different sizes, the wrapper's defaults: no reduction across
     the pipeline (each stage has no replica), the schedule's scale_grads on the
     fp32 .grad, the big batch's update; with max_grad_norm=, clipped by the
     whole model's norm, every stage's summed over the pipeline (each stage
-    clipped by its own before)."""
+    clipped by its own before); likewise by torch's clip on .grad."""
     results = [r[schedule] for r in runs[2]]
     assert all(result["world_size"] == 1 for result in results)
-    clip = CASES_2[schedule].get("clip")
-    assert_stages_exact_to_fp32([result["trajectory"] for result in results], schedule, 1, clip)
+    logged = [result["norms"] for result in results if result["norms"]]
+    assert len(logged) == (2 if "torch_clip" in CASES_2[schedule] else 0)
+    assert_stages_exact_to_fp32([result["trajectory"] for result in results], 1, _clip(CASES_2[schedule]), logged)
 
 
-@pytest.mark.parametrize("case", ["mesh-1f1b", "mesh-1f1b-clip"])
+@pytest.mark.parametrize("case", ["mesh-1f1b", "mesh-1f1b-clip", "mesh-1f1b-torch-clip"])
 def test_a_pp_by_dp_mesh_equals_one_process(runs, case):
     """(pp=2, dp=2): each stage's wrapper reduces over its dp dimension only,
     found on the mesh or given as process_group=mesh['dp']; the replicas of a
     stage hold the same params; max_grad_norm= clips by the whole model's
-    norm over both dimensions."""
+    norm over both dimensions. So does torch's clip between schedule.step()
+    and step(): the window is reduced over dp when the schedule's backwards
+    end, as DDP's or FSDP's is (before, it waited for step(), and each dp rank
+    clipped its own gradient by its own norm)."""
     results = [r[case] for r in runs[4]]
     stages = {}
     for result in results:
@@ -73,8 +90,30 @@ def test_a_pp_by_dp_mesh_equals_one_process(runs, case):
         first = stages.setdefault(result["pp_rank"], result)
         for key in ("trajectory", "given"):
             assert all(torch.equal(a, b) for a, b in zip(result[key][-1], first[key][-1])), key
-    for key in ("trajectory", "given"):
-        assert_stages_exact_to_fp32([stages[0][key], stages[1][key]], case, 2, CASES_4[case].get("clip"))
+    torch_clip = "torch_clip" in CASES_4[case]
+    for key, norms in (("trajectory", "norms"), ("given", "given_norms")):
+        logged = [result[norms] for result in results]
+        assert all(bool(n) == torch_clip for n in logged)
+        assert_stages_exact_to_fp32([stages[0][key], stages[1][key]], 2, _clip(CASES_4[case]), logged * torch_clip)
+
+
+def test_a_pp_by_dp_mesh_trains_as_torch_over_ddp_stages(runs):
+    """Two schedule steps per window and torch's clip between the last and
+    step(), against torch's AdamW on stages wrapped in DDP over dp: the
+    wrapper on plain stages (a second schedule step's backwards add into the
+    reduced window, which is reduced again). The runs' gradients are bitwise
+    alike (W=2: halving is exact), so each window differs by the fused step's
+    operation order, STEP_ULPS ulps of a tensor's largest value per step; the
+    logged norms are of params that differ by that much (1e-5 relative). The
+    wrapper over a DDP stage is refused: the schedule prepares DDP's reducer
+    itself, which would reduce .grad a second time (in bf16 for bf16 params)."""
+    for result in (r["mesh-against-ddp"] for r in runs[4]):
+        ours, reference = result["ours"], result["torch"]
+        torch.testing.assert_close(torch.tensor(ours["norms"]), torch.tensor(reference["norms"]), rtol=1e-5, atol=0)
+        for w, (a, b) in enumerate(zip(ours["trajectory"], reference["trajectory"])):
+            for x, y in zip(a, b):
+                assert (x - y).abs().max() <= STEP_ULPS * w * torch.finfo(torch.float32).eps * y.abs().max(), w
+        assert "plain module (ddp.module)" in result["ddp_stage"]
 
 
 def test_what_a_pipeline_must_not_train_silently(runs):
@@ -86,3 +125,5 @@ def test_what_a_pipeline_must_not_train_silently(runs):
         assert "different param values" in errors["before_stage_equal"]
         # intake="hooks" (or accum_steps=N): the schedule's scale_grads cannot divide .grad.
         assert "intake='grad'" in errors["hooks"]
+        # A bf16 wire, two schedule steps before step(): the second is refused, naming what to do.
+        assert "one schedule.step() per step()" in errors["bf16_wire_two_schedule_steps"]

@@ -73,6 +73,10 @@ class BucketSync(Sync):
         super().__init__(layout, window, ddp)
         self._each_backward = each_backward
         self._stages_looked_for = False
+        # Set by an intake whose buffers are .grad: reduces the window now, once
+        # (a pipeline stage's schedule calls it when its backwards end)
+        self.reduce_window = None
+        self.stage = False  # the params are a pipeline stage's (found at the first backward)
         self.replicas_checked = False  # the first window sent its replica hashes
         self.average = average
         self.group = group
@@ -132,12 +136,16 @@ class BucketSync(Sync):
         """Without a DDP module, each backward ends with the reduction, except
         on a pipeline stage: its schedule runs a window's backwards in one call
         (a collective in one stage's backward would wait for a stage that waits
-        for its gradients) and scales .grad alike on every rank, so its window
-        is reduced at step(). Stages are looked for at the first backward (one
-        built after the wrapper is found there too)."""
+        for its gradients), and reduces the window when they end
+        (_pipeline.reduce_when_backwards_end). Stages are looked for at the
+        first backward (one built after the wrapper is found there too)."""
         if self._each_backward and not self._stages_looked_for:
             self._stages_looked_for = True
-            self._each_backward = not _pipeline.stages_holding([r.param for r in self.layout])
+            stages = _pipeline.stages_holding([r.param for r in self.layout])
+            for stage in stages:
+                _pipeline.reduce_when_backwards_end(stage, self.reduce_window)
+            self.stage = bool(stages)
+            self._each_backward = not stages
         return self._each_backward
 
     @property

@@ -95,6 +95,34 @@ def _call_weak(ref, index, arg) -> None:
         intake._on_grad(index, arg)
 
 
+def _refuse_after_reduction(accum_steps, sync) -> str:
+    """The message for a gradient after the window's cross-rank reduction,
+    which could not be reopened (see BucketSync.reopen)."""
+    if accum_steps is not None:
+        return (
+            "AccumulatingOptimizer: a gradient arrived after this window's cross-rank reduction (a second "
+            "backward in the window's last micro-step): sum the losses and call backward once per micro-step"
+        )
+    what = "AccumulatingOptimizer: a second backward after this window's cross-rank reduction, which "
+    what += "wire_dtype=torch.bfloat16 makes once per window: "
+    if sync.stage:
+        return what + (
+            "a pipeline stage's window is reduced when its schedule's backwards end, so run one schedule.step() "
+            "per step() (the schedule's micro-batches are the window), or leave wire_dtype at torch.float32"
+        )
+    return what + (
+        "pass accum_steps=N (the optimizer counts the window) or, with a DDP module, run the window's other "
+        "backwards under its no_sync()"
+    )
+
+
+def _reduce_weak(ref) -> None:
+    """A pipeline stage's call when its schedule's backwards end, held weakly."""
+    intake = ref()
+    if intake is not None:
+        intake.reduce_once()
+
+
 def _shard_weak(ref, index, param) -> None:
     """An FSDP2 param's post-accumulate-grad hook, held weakly."""
     intake = ref()
@@ -935,6 +963,8 @@ class GradIntake(Intake):
         self._account_writes()
         if self.sync.ddp is not None:
             self.sync.ddp.reclaim = self.reclaim_grads
+        if self.sync.reduces_buffers:
+            self.sync.reduce_window = functools.partial(_reduce_weak, self._ref)
 
     def reclaim_grads(self, params) -> None:
         """DistributedDataParallel(gradient_as_bucket_view=True) built after the
@@ -958,7 +988,8 @@ class GradIntake(Intake):
         accum_steps=None, where code may read ``.grad`` after any backward (a
         clip, a logged norm), what a DDP module says (no_sync() or not), and
         without one every backward (sync.each_backward: as DDP's without
-        no_sync()), unless the reduction waits for step() (a pipeline stage)."""
+        no_sync()), except on a pipeline stage, whose schedule reduces the
+        window when its backwards end (_pipeline.reduce_when_backwards_end)."""
         if self.accum_steps is not None:
             return self.last_micro_step()
         intent = self.window.sync_intent
@@ -986,14 +1017,7 @@ class GradIntake(Intake):
         sync = self.sync
         if sync.reduces_buffers and not self._reduction_queued:
             if sync.started and not (self.accum_steps is None and sync.reopen()):
-                raise RuntimeError(
-                    "AccumulatingOptimizer: a gradient arrived after this window's cross-rank reduction (a second "
-                    "backward in the window's last micro-step): sum the losses and call backward once per micro-step"
-                    if self.accum_steps is not None
-                    else "AccumulatingOptimizer: a second backward after this window's cross-rank reduction, which "
-                    "wire_dtype=torch.bfloat16 makes once per window: pass accum_steps=N (the optimizer counts the "
-                    "window) or, with a DDP module, run the window's other backwards under its no_sync()"
-                )
+                raise RuntimeError(_refuse_after_reduction(self.accum_steps, sync))
             if self._window_ends_with_this_backward():
                 # .grad must hold the reduced window when backward returns (the
                 # framework clips and logs it next): reduce at the end of this backward.
@@ -1037,6 +1061,15 @@ class GradIntake(Intake):
         self._take_written()
         self.sync.reduce_now()
         self._account_writes()
+
+    def reduce_once(self) -> None:
+        """A pipeline stage's schedule ran a step's backwards: reduce the window
+        now, unless it holds no gradient since the last step() (an eval
+        schedule), is reduced (the schedule may call this twice), or this
+        intake was closed (its sync's reduce_window is cleared then)."""
+        sync = self.sync
+        if self.window.grads_since_step and not sync.finished and sync.reduce_window is not None:
+            self._reduce()
 
     def _take_late(self, r: ParamRecord) -> None:
         self._on_grad(r.index, r.param)
@@ -1236,6 +1269,8 @@ class GradIntake(Intake):
         grad_dtype this intake gave it) is converted to that dtype, which
         torch requires of it from then on."""
         super().close()
+        if self.sync.reduces_buffers:
+            self.sync.reduce_window = None  # a pipeline stage's schedule calls this intake no more
         for r in self.layout:
             if r.param.grad is r.buffer:
                 r.param.grad = None

@@ -154,6 +154,7 @@ def check_options(
         raise ValueError(f"params on several devices ({sorted(map(str, devices))}) are not supported yet")
     device = next(iter(devices)) if devices else torch.device("cpu")
     stages = _pipeline.stages_holding(params) if initialized and mesh is None else []
+    _pipeline.refuse_ddp_stages(stages)
     group = mesh.get_group() if mesh is not None else _data_parallel_group(stages, process_group, initialized)
     replicated = initialized and group is not _NO_REPLICAS
     world_size = dist.get_world_size(group) if replicated else 1

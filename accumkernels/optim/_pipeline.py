@@ -17,7 +17,11 @@ abort the process inside the collective). So a wrapper whose params a
 A schedule runs one backward per micro-batch and then divides ``.grad`` by
 their number (``scale_grads``), so a stage's wrapper runs with
 ``accum_steps=None`` and intake "grad" (its defaults): every ``step()`` after
-a schedule step ends a window.
+a schedule step ends a window. A stage with replicas has its window reduced
+when the schedule's backwards end (``reduce_when_backwards_end``), where
+torch's data-parallel wrappers reduce theirs: code that reads ``.grad``
+between ``schedule.step()`` and ``step()`` (a clip, a logged norm) sees the
+stage's gradient averaged over its replicas, as with DDP or FSDP.
 """
 
 from __future__ import annotations
@@ -35,6 +39,52 @@ def stages_holding(params) -> list:
         return []
     ids = {id(p) for p in params}
     return live_instances(_PipelineStageBase, lambda stage: any(id(p) in ids for p in stage.submod.parameters()))
+
+
+def refuse_ddp_stages(stages) -> None:
+    """A stage over a DistributedDataParallel module: its schedule prepares
+    DDP's reducer itself for the last backward (bypassing the forward the
+    wrapper takes over, accumkernels.optim._ddp), which then all-reduces
+    ``.grad`` a second time, in the params' dtype (bf16 params fail inside
+    the backward)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    for stage in stages:
+        if issubclass(type(stage.submod), DistributedDataParallel):
+            raise ValueError(
+                f"pipeline stage {stage.stage_index} runs a DistributedDataParallel module: its schedule makes DDP's "
+                "reducer all-reduce the last backward's .grad, which AccumulatingOptimizer reduces itself. Build the "
+                "PipelineStage over the plain module (ddp.module): the optimizer reduces the stage's window over "
+                "its data-parallel group (found on a 2-D device mesh, or process_group=)"
+            )
+
+
+def reduce_when_backwards_end(stage, reduce) -> None:
+    """Have ``stage``'s schedule call ``reduce()`` once a step's backwards have
+    run: after ``perform_reduce_grad`` (where torch's schedules reduce an
+    FSDP stage's gradients and scale them, after the last backward) and after
+    ``scale_grads`` (which the schedules that run several stages per rank call
+    instead), so after the schedule's division. Not inside a backward: a
+    collective there would wait for a stage that waits for this one's
+    gradients, while here every replica of the stage has run all of its own.
+    ``reduce`` must be idempotent within a window (a schedule may call both);
+    the latest wrapper over ``stage`` replaces an earlier one's."""
+    stage._accumkernels_reduce = reduce
+    if getattr(stage, "_accumkernels_hooked", False):
+        return
+    stage._accumkernels_hooked = True
+    for name in ("perform_reduce_grad", "scale_grads"):
+        method = getattr(stage, name, None)
+        if method is not None:
+            setattr(stage, name, _then_reduce(stage, method))
+
+
+def _then_reduce(stage, method):
+    def call(*args, **kwargs):
+        method(*args, **kwargs)
+        stage._accumkernels_reduce()
+
+    return call
 
 
 def _same_group(a, b) -> bool:
