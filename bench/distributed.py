@@ -8,7 +8,12 @@ data, along four paths:
 - ``ddp-no_sync``: what users write today: ``DistributedDataParallel``, the
   loss divided by N, ``no_sync()`` on the first N-1 micro-batches (bf16 ``.grad``
   accumulation), ``step()``, ``zero_grad()``;
-- ``ours-allreduce``, ``ours-sharded``, ``ours-allreduce-bf16wire``: the wrapper.
+- ``ours-allreduce``, ``ours-sharded``, ``ours-allreduce-bf16wire``: the wrapper
+  counting the window (``accum_steps=N``: one reduction per window);
+- ``ours-each-backward``: torch's own loop on the plain module (the loss divided
+  by N, N backwards, ``step()``, ``zero_grad()``) with the wrapper's defaults
+  (``accum_steps=None``): without DDP to say which backward ends the window,
+  each backward ends with the reduction, as DDP's does outside ``no_sync()``.
 
 Correctness first: fp32 copies of the model take one SGD window with lr = 1
 from the same weights, so each path's update is minus its global mean
@@ -108,6 +113,17 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict, out: str) -> None:
                     wrapper.zero_grad()
 
             paths[path] = [model, window, wrapper, None]
+        model = new_model(dtype)
+        wrapper = ak.AccumulatingOptimizer(make_opt(model.parameters()))
+
+        def each_backward_window(w, model=model, wrapper=wrapper):
+            for m in range(n_micro):
+                x, y = _micro_batch(w, rank, m, batch, ctx, device)
+                (model.loss(x, y) / n_micro).backward()
+            wrapper.step()
+            wrapper.zero_grad()
+
+        paths["ours-each-backward"] = [model, each_backward_window, wrapper, None]
         for path, entry in paths.items():  # window 0, counting our collectives
             if path == "ddp-no_sync":
                 entry[1](0)
