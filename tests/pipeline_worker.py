@@ -58,11 +58,12 @@ def window_gradients(cfg, dp: int):
     return gradients
 
 
-def _schedule(name: str, stage):
+def _schedule(name: str, stage, scale_grads: bool = True):
+    """``scale_grads=False``: the schedule's perform_reduce_grad divides nothing (sum-reduced losses)."""
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
-    return cls(stage, MICRO, loss_fn=lambda out, target: F.mse_loss(out, target))
+    return cls(stage, MICRO, loss_fn=lambda out, target: F.mse_loss(out, target), scale_grads=scale_grads)
 
 
 def torch_clip(params, max_norm: float, pp_group) -> float:
@@ -87,7 +88,8 @@ def train_pipeline(
     logged (cfg["torch_clip"]: clipping to it between the schedule's step and
     the optimizer's). ``wrapper_options`` None: torch's AdamW alone;
     ``dp_group``: the stage module wrapped in DDP over it, as torch's
-    pipelining supports; cfg["schedule_steps"]: schedule steps per window."""
+    pipelining supports; cfg["schedule_steps"]: schedule steps per window;
+    cfg["scale_grads"]: the schedule's."""
     from torch.distributed.pipelining import PipelineStage
 
     equal = cfg.get("equal_stages", False)
@@ -103,7 +105,7 @@ def train_pipeline(
     module = sub if dp_group is None else nn.parallel.DistributedDataParallel(sub, process_group=dp_group)
     stage = PipelineStage(module, pp_rank, 2, torch.device("cpu"), group=pp_group)
     opt = opt or optimizer()
-    schedule = _schedule(cfg["schedule"], stage)
+    schedule = _schedule(cfg["schedule"], stage, cfg.get("scale_grads", True))
     trajectory, norms = [[p.detach().clone() for p in sub.parameters()]], []
     for w in range(WINDOWS):
         for k in range(cfg.get("schedule_steps", 1)):
@@ -169,7 +171,9 @@ def mesh_pp_dp(cfg, rank, world):
 
 
 def mesh_against_ddp(cfg, rank, world):
-    """(pp=2, dp=2), cfg["schedule_steps"] schedule steps per window, torch's
+    """(pp=2, dp=2), cfg["schedule_steps"] schedule steps per window (and
+    cfg["scale_grads"]: False leaves the schedule's perform_reduce_grad the
+    one call after the backwards), torch's
     clip between the last and step(): the run torch users have (each stage
     module wrapped in DDP over dp, which reduces in each schedule step's last
     backward; torch's AdamW) and the wrapper on plain stages (which reduces
@@ -187,6 +191,68 @@ def mesh_against_ddp(cfg, rank, world):
     out = {name: {"trajectory": run[0], "norms": run[1]} for name, run in runs.items()}
     out["ddp_stage"] = _error(lambda: train_pipeline(cfg, pp_rank, dp_rank, pp_group, {}, dp_group=dp_group))
     return out
+
+
+def _four_stages() -> nn.Sequential:
+    torch.manual_seed(1234)
+    return nn.Sequential(
+        nn.Linear(12, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32), nn.LayerNorm(32),
+        nn.Linear(32, 16), nn.GELU(), nn.Linear(16, 3),
+    )  # fmt: skip
+
+
+FOUR_CUTS = [(0, 2), (2, 4), (4, 7), (7, 9)]
+
+
+def _train_interleaved(cfg, mesh, ours: bool):
+    """Stages pp_rank and pp_rank + 2 of four on this rank, Interleaved1F1B,
+    torch's clip after each schedule step. ``ours``: one wrapper per stage;
+    else torch's AdamW over both, after ``.grad`` is averaged over dp (what
+    DDP or FSDP stages give; DDP stages fail inside torch's interleaved
+    schedules, an internal assert of DDP's reducer)."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    pp_rank, dp_rank, pp_group = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank(), mesh["pp"].get_group()
+    model = _four_stages()
+    subs = [model[slice(*FOUR_CUTS[i])] for i in (pp_rank, pp_rank + 2)]
+    stages = [
+        PipelineStage(sub, i, 4, torch.device("cpu"), group=pp_group) for sub, i in zip(subs, (pp_rank, pp_rank + 2))
+    ]
+    params = [p for sub in subs for p in sub.parameters()]
+    if ours:
+        opts = [ak.AccumulatingOptimizer(make_inner(sub.parameters()), backend=cfg["backend"]) for sub in subs]
+    else:
+        opts = [make_inner(params)]
+    schedule = ScheduleInterleaved1F1B(stages, MICRO, loss_fn=lambda out, target: F.mse_loss(out, target))
+    trajectory, norms = [[p.detach().clone() for p in params]], []
+    for w in range(WINDOWS):
+        x, y = batch(cfg["seed"], w, dp_rank)
+        if pp_rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y, losses=[])
+        if not ours:
+            for p in params:
+                dist.all_reduce(p.grad, group=mesh["dp"].get_group())
+                p.grad.div_(mesh["dp"].size())
+        norms.append(torch_clip(params, cfg["torch_clip"], pp_group))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        trajectory.append([p.detach().clone() for p in params])
+    for opt in opts:
+        getattr(opt, "close", lambda: None)()
+    return {"trajectory": trajectory, "norms": norms}
+
+
+def mesh_interleaved(cfg, rank, world):
+    """(pp=2, dp=2), four stages, two per rank (Interleaved1F1B, whose
+    schedule calls each stage's scale_grads after its last backward, where
+    single-stage schedules call perform_reduce_grad): torch's run and ours."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    return {"torch": _train_interleaved(cfg, mesh, False), "ours": _train_interleaved(cfg, mesh, True)}
 
 
 def _single_stage_two_schedule_steps(cfg, wire_dtype):
@@ -233,6 +299,7 @@ SCENARIOS = {
     "pipeline_only": pipeline_only,
     "mesh_pp_dp": mesh_pp_dp,
     "mesh_against_ddp": mesh_against_ddp,
+    "mesh_interleaved": mesh_interleaved,
     "refusals": refusals,
 }
 

@@ -29,7 +29,10 @@ CASES_4 = {
     "mesh-1f1b": dict(scenario="mesh_pp_dp", schedule="1f1b"),
     "mesh-1f1b-clip": dict(scenario="mesh_pp_dp", schedule="1f1b", clip=CLIP),
     "mesh-1f1b-torch-clip": dict(scenario="mesh_pp_dp", schedule="1f1b", torch_clip=CLIP),
-    "mesh-against-ddp": dict(scenario="mesh_against_ddp", schedule="1f1b", torch_clip=CLIP, schedule_steps=2),
+    "mesh-against-ddp": dict(
+        scenario="mesh_against_ddp", schedule="1f1b", torch_clip=CLIP, schedule_steps=2, scale_grads=False
+    ),
+    "mesh-interleaved": dict(scenario="mesh_interleaved", torch_clip=CLIP),
 }
 
 
@@ -97,23 +100,27 @@ def test_a_pp_by_dp_mesh_equals_one_process(runs, case):
         assert_stages_exact_to_fp32([stages[0][key], stages[1][key]], 2, _clip(CASES_4[case]), logged * torch_clip)
 
 
-def test_a_pp_by_dp_mesh_trains_as_torch_over_ddp_stages(runs):
-    """Two schedule steps per window and torch's clip between the last and
-    step(), against torch's AdamW on stages wrapped in DDP over dp: the
-    wrapper on plain stages (a second schedule step's backwards add into the
-    reduced window, which is reduced again). The runs' gradients are bitwise
-    alike (W=2: halving is exact), so each window differs by the fused step's
-    operation order, STEP_ULPS ulps of a tensor's largest value per step; the
-    logged norms are of params that differ by that much (1e-5 relative). The
-    wrapper over a DDP stage is refused: the schedule prepares DDP's reducer
-    itself, which would reduce .grad a second time (in bf16 for bf16 params)."""
-    for result in (r["mesh-against-ddp"] for r in runs[4]):
+@pytest.mark.parametrize("case", ["mesh-against-ddp", "mesh-interleaved"])
+def test_a_pp_by_dp_mesh_trains_as_torch(runs, case):
+    """Torch's clip between schedule.step() and step(), against torch's AdamW
+    on the .grad torch's data-parallel stages give: two schedule steps per
+    window on stages wrapped in DDP (the wrapper's second schedule step adds
+    into the reduced window, which is reduced again); and Interleaved1F1B,
+    two stages per rank (.grad averaged over dp by hand: DDP stages fail
+    there inside torch). The runs' gradients are bitwise alike (W=2: halving
+    is exact), so each window differs by the fused step's operation order,
+    STEP_ULPS ulps of a tensor's largest value per step; the logged norms are
+    of params that differ by that much (1e-5 relative). The wrapper over a
+    DDP stage is refused: the schedule prepares DDP's reducer itself, which
+    would reduce .grad a second time (in bf16 for bf16 params)."""
+    for result in (r[case] for r in runs[4]):
         ours, reference = result["ours"], result["torch"]
         torch.testing.assert_close(torch.tensor(ours["norms"]), torch.tensor(reference["norms"]), rtol=1e-5, atol=0)
         for w, (a, b) in enumerate(zip(ours["trajectory"], reference["trajectory"])):
             for x, y in zip(a, b):
                 assert (x - y).abs().max() <= STEP_ULPS * w * torch.finfo(torch.float32).eps * y.abs().max(), w
-        assert "plain module (ddp.module)" in result["ddp_stage"]
+        if case == "mesh-against-ddp":
+            assert "plain module (ddp.module)" in result["ddp_stage"]
 
 
 def test_what_a_pipeline_must_not_train_silently(runs):

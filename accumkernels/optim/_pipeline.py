@@ -62,9 +62,10 @@ def refuse_ddp_stages(stages) -> None:
 def reduce_when_backwards_end(stage, reduce) -> None:
     """Have ``stage``'s schedule call ``reduce()`` once a step's backwards have
     run: after ``perform_reduce_grad`` (where torch's schedules reduce an
-    FSDP stage's gradients and scale them, after the last backward) and after
-    ``scale_grads`` (which the schedules that run several stages per rank call
-    instead), so after the schedule's division. Not inside a backward: a
+    FSDP stage's gradients and scale them, after the last backward; every
+    schedule class of torch 2.14 calls it) and after ``scale_grads`` (which
+    earlier torch versions' schedules, and PipelineScheduleMulti's own step
+    loop, call instead), so after the schedule's division. Not inside a backward: a
     collective there would wait for a stage that waits for this one's
     gradients, while here every replica of the stage has run all of its own.
     ``reduce`` must be idempotent within a window (a schedule may call both);
