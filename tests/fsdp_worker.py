@@ -332,6 +332,10 @@ TORCH_LOOPS = {
     "kept as zeros, one dropped": (["backward", "step", "zero_grad(False)", "p0 = None", "step"], "torch"),
     "assigned before backward": (["p2 = 0.5", "backward", "step"], "torch"),
     "model.zero_grad() after step()": (["backward", "step", "model.zero_grad", "backward", "step"], "torch"),
+    "cleared in place after step()": (
+        ["backward", "step", "model.zero_grad(False)", "step", "p0.zero_()", "step"],
+        "torch",
+    ),
 }
 
 

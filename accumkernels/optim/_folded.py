@@ -16,6 +16,12 @@ its local shard's shape). FSDP2 adds each micro-step's reduced shard into a
 ``.grad`` it finds set (``grad._local_tensor += shard``), and code may add
 into ``.grad`` itself: that ``add_`` hands the shard to the intake (the
 marker's ``sink``), which is what torch.optim's ``.grad`` would sum.
+
+Zeroing ``.grad`` in place (``model.zero_grad(set_to_none=False)``,
+``p.grad.zero_()``, torch.optim's ``zero_grad(set_to_none=False)``) is a
+clear: the marker's ``cleared`` tells the intake, which keeps the param's zero
+gradient stepped as torch.optim would, or refuses where the param's gradient
+is in the window already.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from . import _amp, _guards
 
 _UNSCALE = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
 _ADD = torch.ops.aten.add_.Tensor
+_ZERO = torch.ops.aten.zero_.default
+_FOREACH_ZERO = torch.ops.aten._foreach_zero_.default
 
 
 def _plain_add(args, kwargs) -> bool:
@@ -54,16 +62,18 @@ class FoldedGrad(torch.Tensor):
     """``param.grad`` once intake="hooks" folded its gradient (see the module docstring)."""
 
     @staticmethod
-    def __new__(cls, param: torch.Tensor, index: int, sink=None):
+    def __new__(cls, param: torch.Tensor, index: int, sink=None, cleared=None):
         return torch.Tensor._make_wrapper_subclass(
             cls, param.shape, strides=param.stride(), dtype=param.dtype, device=param.device, requires_grad=False
         )
 
-    def __init__(self, param: torch.Tensor, index: int, sink=None) -> None:
+    def __init__(self, param: torch.Tensor, index: int, sink=None, cleared=None) -> None:
         # param: the param (an FSDP2 param: its local shard); sink(gradient):
-        # an FSDP2 param's, takes what is added into .grad.
+        # an FSDP2 param's, takes what is added into .grad; cleared(): told of
+        # an in-place zeroing.
         self.index = index
         self.sink = sink
+        self.cleared = cleared
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -83,6 +93,13 @@ class FoldedGrad(torch.Tensor):
         if func is _ADD and isinstance(target, FoldedGrad) and target.sink is not None and _plain_add(args, kwargs):
             target.sink(args[1])
             return target
+        if func is _ZERO and isinstance(target, FoldedGrad) and target.cleared is not None:
+            target.cleared()
+            return target
+        if func is _FOREACH_ZERO and all(isinstance(t, FoldedGrad) and t.cleared is not None for t in target):
+            for marker in target:
+                marker.cleared()
+            return None
         if func is _UNSCALE and _amp.checking_inf_for_step():
             return None  # GradScaler's own check before it steps the wrapper, which checks as it folds
         index = markers[0].index if markers else None

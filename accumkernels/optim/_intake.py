@@ -123,6 +123,13 @@ def _reduce_weak(ref) -> None:
         intake.reduce_once()
 
 
+def _cleared_weak(ref, index) -> None:
+    """A marker's call when ``.grad`` is zeroed in place, held weakly."""
+    intake = ref()
+    if intake is not None:
+        intake.cleared_in_place(index)
+
+
 def _shard_weak(ref, index, param) -> None:
     """An FSDP2 param's post-accumulate-grad hook, held weakly."""
     intake = ref()
@@ -464,14 +471,16 @@ class HookIntake(Intake):
         self.ready_for_backward()
 
     def _register(self, r: ParamRecord):
+        cleared = functools.partial(_cleared_weak, self._ref, r.index)
         if r.local_of is not None:
             # FSDP2 assigns the reduced shard to a .grad it finds None, or adds
             # it into the one it finds (the marker's sink takes it as a
             # gradient), and runs the post-accumulate-grad hooks itself.
-            r.marker = FoldedGrad(r.local, r.index, sink=functools.partial(_call_weak, self._ref, r.index))
+            sink = functools.partial(_call_weak, self._ref, r.index)
+            r.marker = FoldedGrad(r.local, r.index, sink=sink, cleared=cleared)
             self._markers[r.index] = (r.param, sharded_grad(r.marker, r.param))
             return r.param.register_post_accumulate_grad_hook(functools.partial(_shard_weak, self._ref, r.index))
-        self._markers[r.index] = (r.param, FoldedGrad(r.param, r.index))
+        self._markers[r.index] = (r.param, FoldedGrad(r.param, r.index, cleared=cleared))
         r.marker = self._markers[r.index][1]  # (read by _arrive: one attribute instead of two lookups)
         # A pre-hook of the param's gradient accumulator (kept alive: torch holds
         # it weakly). Autograd runs it after every tensor hook on the param,
@@ -647,6 +656,27 @@ class HookIntake(Intake):
             "started (a second backward in the window's last micro-step): sum the losses and call backward "
             "once per micro-step"
         )
+
+    def cleared_in_place(self, index: int) -> None:
+        """Param ``index``'s ``.grad`` (its marker) was zeroed in place
+        (``model.zero_grad(set_to_none=False)``, ``p.grad.zero_()``):
+        torch.optim keeps a zero gradient there, which it steps (momentum,
+        weight decay), so the window does too. Where the param has a gradient
+        in the window, folded or waiting for its bucket, torch.optim would
+        discard it, which the fold cannot undo for one param: refused."""
+        self._drain()
+        window = self.window
+        if index in window.touched or self.arrivals.get(index):
+            raise RuntimeError(
+                f"param {index}'s .grad was zeroed in place (model.zero_grad(set_to_none=False), p.grad.zero_()) "
+                "after its gradient of this window was folded: torch.optim would discard that gradient, which "
+                "intake='hooks' cannot take out of the window for one param. Clear after the window's step() (or "
+                "before its first backward; with accum_steps=N the window's last step() clears the sums, so no "
+                "clear is needed between), call optimizer.zero_grad(), or use intake='grad'"
+            )
+        window.unzeroed.discard(index)
+        if index in window.had_grad:  # (else torch.optim's .grad is None there: the marker outlives a clear)
+            window.zero_grads.add(index)
 
     def _on_shard(self, index: int) -> None:
         """An FSDP2 param's post-accumulate-grad hook: the reduced shard FSDP2
@@ -995,6 +1025,27 @@ class GradIntake(Intake):
         intent = self.window.sync_intent
         return self.sync.each_backward if intent is None else intent
 
+    def _at_window_start(self) -> bool:
+        """A counted window (accum_steps=N) with nothing in it yet: no step()
+        call and no gradient since the last window's step() (or since a
+        zero_grad() discarded it)."""
+        return self.accum_steps is not None and not self.window.micro_steps and not self.window.grads_since_step
+
+    def _take_cleared(self, arriving: ParamRecord | None = None) -> None:
+        """At a counted window's start, other code wrote into the buffers,
+        which the last window's step() left zero. Still all zero (but
+        ``arriving``'s, into which autograd just added its gradient), that was
+        an in-place clear of ``.grad`` (``model.zero_grad(set_to_none=False)``,
+        ``p.grad.zero_()``) where torch.optim's loop clears after its step():
+        as there, the params with a gradient since the last
+        ``zero_grad(set_to_none=True)`` keep a zero ``.grad`` and are stepped
+        (momentum, weight decay). Values written are taken as gradients at
+        step() (_take_written)."""
+        others = [r.buffer.ne(0).any() for r in self.layout if r is not arriving]
+        if not others or not bool(torch.stack(others).any()):
+            self.window.zero_grad(set_to_none=False)
+            self._account_writes()
+
     def _between_micro_steps(self, r: ParamRecord | None = None) -> bool:
         """A counted window (accum_steps=N) holds sums of earlier micro-steps
         (of ``r``'s, if given), and no gradient arrived since the last step()
@@ -1011,9 +1062,13 @@ class GradIntake(Intake):
         grad = r.param.grad
         # Other code wrote into the buffers since the last step() of a counted
         # window, before its gradients (autograd's add into .grad bumps the
-        # version once): its earlier micro-steps' sums were overwritten.
-        if self._between_micro_steps() and self.layout.flat._version > self._seen_version + (grad is r.buffer):
-            self._sums_overwritten = True
+        # version once): its earlier micro-steps' sums were overwritten, or,
+        # at the window's start, .grad may have been cleared in place.
+        if self.layout.flat._version > self._seen_version + (grad is r.buffer):
+            if self._between_micro_steps():
+                self._sums_overwritten = True
+            elif self._at_window_start():
+                self._take_cleared(r)
         sync = self.sync
         if sync.reduces_buffers and not self._reduction_queued:
             if sync.started and not (self.accum_steps is None and sync.reopen()):
@@ -1159,6 +1214,10 @@ class GradIntake(Intake):
         flat = self.layout.flat
         if flat._version == self._seen_version and not self._unseen_write:
             return
+        if self._at_window_start():
+            self._take_cleared()
+            if flat._version == self._seen_version:  # (accounted for: a clear)
+                return
         waiting = [
             r
             for r in self.layout
