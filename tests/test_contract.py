@@ -635,6 +635,29 @@ def test_a_counted_window_steps_a_param_without_gradient_as_torch_after_each_cle
     assert torch.equal(plain[2], skipping[1].weight) != ("set_to_none=False" in clear)
 
 
+@pytest.mark.parametrize("foreach", [False, True])
+def test_the_wrapped_optimizers_in_place_clear_of_markers_is_torchs(foreach):
+    """Intake "hooks": the wrapped torch optimizer's zero_grad(set_to_none=False)
+    zeroes the markers in .grad one by one (p.grad.zero_()) or in one
+    _foreach_zero_ (foreach=True): a clear, after which a param with no new
+    gradient is stepped with a zero one (weight decay, momentum), as torch's."""
+    runs = []
+    for wrap, set_to_none in ((True, False), (False, False), (False, True)):
+        model = _mlp()
+        inner = torch.optim.AdamW(model.parameters(), **FUSED["AdamW"], foreach=foreach)
+        opt = ak.AccumulatingOptimizer(inner, intake="hooks") if wrap else inner
+        gen = torch.Generator().manual_seed(1)
+        for w in range(3):
+            if w == 0:
+                model(torch.randn(4, 5, generator=gen)).pow(2).mean().backward()
+            opt.step()
+            inner.zero_grad(set_to_none=set_to_none)
+        runs.append(list(model.parameters()))
+    ours, plain, skipping = runs
+    _assert_fused_close(ours, plain, steps=3)
+    assert not torch.equal(plain[0], skipping[0]), "the case must tell: torch steps the zero gradients"
+
+
 def test_a_counted_windows_own_clip_between_step_calls_writes_over_nothing():
     """accum_steps=N, intake "grad": the wrapper's clip_grad_norm_() writes
     into .grad too, but that write is its own: no step() after it is refused
