@@ -13,7 +13,7 @@ concern:
 ``_distributed``   BucketSync: the per-bucket reduction across ranks, ZeRO-1, replica checks
 ``_fsdp``          FSDPSync and FSDP2 (DTensor) params
 ``_ddp``           the takeover of DistributedDataParallel modules
-``_pipeline``      pipeline stages: the data-parallel group of a stage
+``_pipeline``      pipeline stages: a stage's data-parallel group; its reduction when the schedule's backwards end
 ``_amp``           GradScaler (the only code that reads its internals)
 ``_update``        the fused and fallback steps, norms, master weights
 ``_memory``        ``static_bytes``: what a configuration holds (the planner's static part)
