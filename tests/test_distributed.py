@@ -375,12 +375,21 @@ def test_distributed_benchmark_quick_mode(native_only, tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {r["path"]: r for r in json.loads((tmp_path / "distributed-cpu-quick.json").read_text())["rows"]}
-    assert set(rows) == {"ddp-no_sync", "ours-allreduce", "ours-sharded", "ours-allreduce-bf16wire"}
-    for path in ("ddp-no_sync", "ours-sharded"):
+    assert set(rows) == {
+        "ddp-no_sync",
+        "ours-allreduce",
+        "ours-sharded",
+        "ours-allreduce-bf16wire",
+        "ours-each-backward",
+    }
+    for path in ("ddp-no_sync", "ours-sharded", "ours-each-backward"):
         assert rows[path]["update_rel_error_vs_ours_allreduce"] <= 1e-5
     assert 1e-6 < rows["ours-allreduce-bf16wire"]["update_rel_error_vs_ours_allreduce"] <= 2e-2
     assert rows["ours-allreduce"]["collectives"]["all_reduce"] >= 2  # buckets + the window's flags
     # sharding halves the optimizer state per rank (2 ranks); a bf16 wire halves the bytes sent
     assert rows["ours-sharded"]["state_mib_per_rank"] < 0.6 * rows["ours-allreduce"]["state_mib_per_rank"]
     assert rows["ours-allreduce-bf16wire"]["sent_mib"] < 0.6 * rows["ours-allreduce"]["sent_mib"]
+    # torch's loop without DDP (accum_steps=None): every one of the N backwards is reduced
+    n_micro = rows["ours-each-backward"]["n_micro"]
+    assert rows["ours-each-backward"]["sent_mib"] > 0.9 * n_micro * rows["ours-allreduce"]["sent_mib"]
     assert all(r["window_ms"] > 0 for r in rows.values())
