@@ -1040,7 +1040,9 @@ class GradIntake(Intake):
         as there, the params with a gradient since the last
         ``zero_grad(set_to_none=True)`` keep a zero ``.grad`` and are stepped
         (momentum, weight decay). Values written are taken as gradients at
-        step() (_take_written)."""
+        step() (_take_written). Another write that leaves zeros there (torch's
+        clip_grad_norm_ multiplying the zeroed buffers) counts as the clear
+        too: neither the version counter nor the values tell them apart."""
         others = [r.buffer.ne(0).any() for r in self.layout if r is not arriving]
         if not others or not bool(torch.stack(others).any()):
             self.window.zero_grad(set_to_none=False)
