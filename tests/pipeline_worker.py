@@ -246,9 +246,9 @@ def _train_interleaved(cfg, mesh, ours: bool):
 
 
 def mesh_interleaved(cfg, rank, world):
-    """(pp=2, dp=2), four stages, two per rank (Interleaved1F1B, whose
-    schedule calls each stage's scale_grads after its last backward, where
-    single-stage schedules call perform_reduce_grad): torch's run and ours."""
+    """(pp=2, dp=2), four stages, two per rank (Interleaved1F1B, which torch
+    2.14 runs through its schedule runtime: perform_reduce_grad per stage
+    once its backwards have run): torch's run and ours."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))

@@ -76,7 +76,6 @@ class BucketSync(Sync):
         # Set by an intake whose buffers are .grad: reduces the window now, once
         # (a pipeline stage's schedule calls it when its backwards end)
         self.reduce_window = None
-        self.stage = False  # the params are a pipeline stage's (found at the first backward)
         self.replicas_checked = False  # the first window sent its replica hashes
         self.average = average
         self.group = group
@@ -144,9 +143,13 @@ class BucketSync(Sync):
             stages = _pipeline.stages_holding([r.param for r in self.layout])
             for stage in stages:
                 _pipeline.reduce_when_backwards_end(stage, self.reduce_window)
-            self.stage = bool(stages)
             self._each_backward = not stages
         return self._each_backward
+
+    @property
+    def stage(self) -> bool:
+        """The params are a pipeline stage's (looked for at the first backward, see each_backward)."""
+        return self._stages_looked_for and not self._each_backward
 
     @property
     def started(self) -> bool:

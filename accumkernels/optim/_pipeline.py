@@ -65,11 +65,11 @@ def reduce_when_backwards_end(stage, reduce) -> None:
     FSDP stage's gradients and scale them, after the last backward; every
     schedule class of torch 2.14 calls it) and after ``scale_grads`` (which
     earlier torch versions' schedules, and PipelineScheduleMulti's own step
-    loop, call instead), so after the schedule's division. Not inside a backward: a
-    collective there would wait for a stage that waits for this one's
-    gradients, while here every replica of the stage has run all of its own.
-    ``reduce`` must be idempotent within a window (a schedule may call both);
-    the latest wrapper over ``stage`` replaces an earlier one's."""
+    loop, call instead), so after the schedule's division. Not inside a
+    backward: a collective there would wait for a stage that waits for this
+    one's gradients, while here every replica of the stage has run all of
+    its own. ``reduce`` must be idempotent within a window (a schedule may
+    call both); the latest wrapper over ``stage`` replaces an earlier one's."""
     stage._accumkernels_reduce = reduce
     if getattr(stage, "_accumkernels_hooked", False):
         return
