@@ -3,7 +3,7 @@
 `python -m bench.distributed [--quick]` spawns W processes (default 2; NCCL on
 W GPUs if there are that many, else gloo on the CPU) that train the repo's
 GPT-style model (bf16 params, AdamW) for windows of N micro-batches, on the same
-data, along four paths:
+data, along five paths:
 
 - ``ddp-no_sync``: what users write today: ``DistributedDataParallel``, the
   loss divided by N, ``no_sync()`` on the first N-1 micro-batches (bf16 ``.grad``
