@@ -336,6 +336,7 @@ TORCH_LOOPS = {
         ["backward", "step", "model.zero_grad(False)", "step", "p0.zero_()", "step"],
         "torch",
     ),
+    "scaled in place": (["backward", "grads /= 4", "backward", "grads /= 4", "step"], "torch"),
 }
 
 

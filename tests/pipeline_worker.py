@@ -136,8 +136,8 @@ def _error(run) -> str | None:
 
 
 def _options(cfg) -> dict:
-    """The wrapper's options: the defaults, or max_grad_norm=cfg["clip"]."""
-    return {"max_grad_norm": cfg["clip"]} if cfg.get("clip") else {}
+    """The wrapper's options: the defaults, max_grad_norm=cfg["clip"], intake=cfg["intake"]."""
+    return {name: cfg[key] for key, name in (("clip", "max_grad_norm"), ("intake", "intake")) if cfg.get(key)}
 
 
 def pipeline_only(cfg, rank, world):
@@ -191,6 +191,57 @@ def mesh_against_ddp(cfg, rank, world):
     out = {name: {"trajectory": run[0], "norms": run[1]} for name, run in runs.items()}
     out["ddp_stage"] = _error(lambda: train_pipeline(cfg, pp_rank, dp_rank, pp_group, {}, dp_group=dp_group))
     return out
+
+
+def _train_fsdp_stages(cfg, mesh, ours: bool):
+    """Each stage module fully_shard over the mesh's dp dimension (torchtitan's
+    PP x FSDP), the schedule's defaults (its perform_reduce_grad runs FSDP2's
+    reduce-scatter after the last backward, then scale_grads divides .grad by
+    the micro-batches). torch's run: torch's AdamW, torch's clip on the
+    sharded .grad (DTensor norms summed over pp); ours: the wrapper (intake
+    "hooks", FSDP2's) with max_grad_norm=, whose .grad markers take
+    scale_grads' division. Returns the stage's full params after each window
+    and the norms clipped by."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage
+
+    pp_rank, dp_rank, pp_group = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank(), mesh["pp"].get_group()
+    sub = stage_module(full_model(), pp_rank)
+    fully_shard(sub, mesh=mesh["dp"])
+    stage = PipelineStage(sub, pp_rank, 2, torch.device("cpu"), group=pp_group)
+    opt = make_inner(sub.parameters())
+    if ours:
+        opt = ak.AccumulatingOptimizer(opt, backend=cfg["backend"], intake="hooks", max_grad_norm=cfg["torch_clip"])
+    schedule = _schedule(cfg["schedule"], stage)
+    trajectory, norms = [[p.full_tensor().clone() for p in sub.parameters()]], []
+    for w in range(WINDOWS):
+        x, y = batch(cfg["seed"], w, dp_rank)
+        if pp_rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y, losses=[])
+        if not ours:
+            params = [p for p in sub.parameters() if p.grad is not None]
+            squared = torch.nn.utils.get_total_norm([p.grad for p in params]).full_tensor() ** 2
+            dist.all_reduce(squared, group=pp_group)
+            torch.nn.utils.clip_grads_with_norm_(params, cfg["torch_clip"], squared.sqrt())
+            norms.append(float(squared.sqrt()))
+        opt.step()
+        opt.zero_grad()
+        if ours:
+            norms.append(float(opt.last_grad_norm))
+        trajectory.append([p.full_tensor().clone() for p in sub.parameters()])
+    if ours:
+        opt.close()
+    return {"trajectory": trajectory, "norms": norms}
+
+
+def mesh_fsdp(cfg, rank, world):
+    """(pp=2, dp=2), each stage FSDP2-sharded over dp: torch's run and ours."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    return {"torch": _train_fsdp_stages(cfg, mesh, False), "ours": _train_fsdp_stages(cfg, mesh, True)}
 
 
 def _four_stages() -> nn.Sequential:
@@ -277,16 +328,13 @@ def _single_stage_two_schedule_steps(cfg, wire_dtype):
 def refusals(cfg, rank, world):
     """What a pipeline must not train silently wrong: the wrapper built before
     the stage (it cannot know it is one) over stages of unequal and of equal
-    shapes; the hooks intake, whose .grad a schedule's scale_grads cannot
-    divide (intake='hooks', or accum_steps=N)."""
+    shapes; a bf16 wire with two schedule steps per window."""
     out = {}
     out["before_stage_unequal"] = _error(lambda: train_pipeline(cfg, rank, 0, None, {}, wrapper_first=True))
     dist.barrier()
     out["before_stage_equal"] = _error(
         lambda: train_pipeline(dict(cfg, equal_stages=True), rank, 0, None, {}, wrapper_first=True)
     )
-    dist.barrier()
-    out["hooks"] = _error(lambda: train_pipeline(cfg, rank, 0, None, {"intake": "hooks"}))
     dist.barrier()
     # A bf16 wire rounds each rank's contribution once per window: a second
     # schedule step after the window's reduction is refused (a float32 one is
@@ -300,6 +348,7 @@ SCENARIOS = {
     "mesh_pp_dp": mesh_pp_dp,
     "mesh_against_ddp": mesh_against_ddp,
     "mesh_interleaved": mesh_interleaved,
+    "mesh_fsdp": mesh_fsdp,
     "refusals": refusals,
 }
 

@@ -259,8 +259,10 @@ def _apply(op, model, opt, gen, norms):
     tests/fsdp_worker.torch_loops): "backward" (twice over one
     graph: "backward x2"), "step", "zero_grad", "zero_grad(False)",
     "model.zero_grad", "model.zero_grad(False)", "p0 = None", "p0.zero_()",
-    "p2 = 0.5", "reload" (load_state_dict of its state_dict), "lr" (set by
-    hand), "norm" (clip_grad_norm_ of the grads, logged in ``norms``)."""
+    "p2 = 0.5", "grads /= 4" (each .grad divided in place, as a pipeline
+    schedule's scale_grads does), "reload" (load_state_dict of its
+    state_dict), "lr" (set by hand), "norm" (clip_grad_norm_ of the grads,
+    logged in ``norms``)."""
     params = list(model.parameters())
     if op.startswith("backward"):
         loss = model(torch.randn(4, 5, generator=gen)).pow(2).mean()
@@ -280,6 +282,10 @@ def _apply(op, model, opt, gen, norms):
             params[0].grad.zero_()
     elif op == "p2 = 0.5":
         params[2].grad = torch.full_like(params[2], 0.5)
+    elif op == "grads /= 4":
+        for p in params:
+            if p.grad is not None:
+                p.grad.div_(4)
     elif op == "reload":
         opt.load_state_dict(copy.deepcopy(opt.state_dict()))
     elif op == "lr":
@@ -323,6 +329,7 @@ FUZZ_OPS = [
     "p0 = None",
     "p0.zero_()",
     "p2 = 0.5",
+    "grads /= 4",
     "reload",
     "lr",
     "norm",
@@ -656,6 +663,40 @@ def test_the_wrapped_optimizers_in_place_clear_of_markers_is_torchs(foreach):
     ours, plain, skipping = runs
     _assert_fused_close(ours, plain, steps=3)
     assert not torch.equal(plain[0], skipping[0]), "the case must tell: torch steps the zero gradients"
+
+
+@pytest.mark.parametrize("intake, accum_steps", [("grad", None), ("hooks", None), ("hooks", 1)])
+def test_grad_scaled_in_place_trains_as_torch(intake, accum_steps):
+    """``.grad`` scaled in place by a number between the backwards and step()
+    (a pipeline schedule's scale_grads: ``p.grad.div_(n)``; ``mul_`` by a
+    0-dim tensor), SGD with momentum, whose update the scaling changes:
+    within _assert_fused_close's bound of torch's loop, and of one that
+    scales nothing by more than that. Intake "hooks" scales each marker's
+    window sum (refused before), in its lean window (accum_steps=1: the held
+    gradient goes into the fp32 buffer first) too."""
+    half = torch.tensor(0.5)
+
+    def train(opt, model, scale):
+        gen = torch.Generator().manual_seed(2)
+        for _ in range(3):
+            for _ in range(accum_steps or 2):
+                model(torch.randn(4, 5, generator=gen)).pow(2).mean().backward()
+                for p in model.parameters():
+                    if scale:
+                        p.grad.div_(4) if p.dim() > 1 else p.grad.mul_(half)
+                if accum_steps:
+                    opt.step()
+            if not accum_steps:
+                opt.step()
+            opt.zero_grad()
+        return list(model.parameters())
+
+    plain, unscaled = (train(_torch("SGD")(m.parameters()), m, scale) for m, scale in ((_mlp(), True), (_mlp(), False)))
+    model = _mlp()
+    ours = train(ak.SGD(model.parameters(), **FUSED["SGD"], intake=intake, accum_steps=accum_steps), model, True)
+    _assert_fused_close(ours, plain, steps=3)
+    with pytest.raises(AssertionError):
+        _assert_fused_close(unscaled, plain, steps=3)
 
 
 def test_a_counted_windows_own_clip_between_step_calls_writes_over_nothing():

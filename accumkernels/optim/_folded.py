@@ -22,6 +22,12 @@ Zeroing ``.grad`` in place (``model.zero_grad(set_to_none=False)``,
 clear: the marker's ``cleared`` tells the intake, which keeps the param's zero
 gradient stepped as torch.optim would, or refuses where the param's gradient
 is in the window already.
+
+Scaling ``.grad`` in place by a number (``p.grad.div_(n)``, ``mul_(c)``: a
+pipeline schedule's ``scale_grads``, which divides each stage param's
+gradient by the number of micro-batches) scales the param's window sum so
+far: the marker's ``scaled`` hands the factor to the intake, which scales the
+param's fp32 buffer, as torch.optim's ``.grad`` would have been scaled.
 """
 
 from __future__ import annotations
@@ -34,6 +40,13 @@ _UNSCALE = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
 _ADD = torch.ops.aten.add_.Tensor
 _ZERO = torch.ops.aten.zero_.default
 _FOREACH_ZERO = torch.ops.aten._foreach_zero_.default
+# In-place scaling by a number: whether the op divides.
+_SCALE = {
+    torch.ops.aten.mul_.Tensor: False,
+    torch.ops.aten.mul_.Scalar: False,
+    torch.ops.aten.div_.Tensor: True,
+    torch.ops.aten.div_.Scalar: True,
+}
 
 
 def _plain_add(args, kwargs) -> bool:
@@ -44,6 +57,18 @@ def _plain_add(args, kwargs) -> bool:
         and not isinstance(args[1], FoldedGrad)
         and (kwargs or {}).get("alpha", 1) == 1
     )
+
+
+def _by_a_number(args, kwargs) -> bool:
+    """``marker.mul_(c)`` or ``div_(c)``: ``c`` a number, or a one-element
+    tensor that broadcasts to the marker's shape (a Python number reaches
+    dispatch as a 0-dim tensor)."""
+    if len(args) != 2 or kwargs:
+        return False
+    factor = args[1]
+    if not isinstance(factor, torch.Tensor):
+        return isinstance(factor, (int, float))
+    return not isinstance(factor, FoldedGrad) and factor.numel() == 1 and factor.dim() <= args[0].dim()
 
 
 def _same_place(t: torch.Tensor, kwargs: dict) -> bool:
@@ -62,18 +87,19 @@ class FoldedGrad(torch.Tensor):
     """``param.grad`` once intake="hooks" folded its gradient (see the module docstring)."""
 
     @staticmethod
-    def __new__(cls, param: torch.Tensor, index: int, sink=None, cleared=None):
+    def __new__(cls, param: torch.Tensor, index: int, sink=None, cleared=None, scaled=None):
         return torch.Tensor._make_wrapper_subclass(
             cls, param.shape, strides=param.stride(), dtype=param.dtype, device=param.device, requires_grad=False
         )
 
-    def __init__(self, param: torch.Tensor, index: int, sink=None, cleared=None) -> None:
+    def __init__(self, param: torch.Tensor, index: int, sink=None, cleared=None, scaled=None) -> None:
         # param: the param (an FSDP2 param: its local shard); sink(gradient):
         # an FSDP2 param's, takes what is added into .grad; cleared(): told of
-        # an in-place zeroing.
+        # an in-place zeroing; scaled(factor, divide): of an in-place scaling.
         self.index = index
         self.sink = sink
         self.cleared = cleared
+        self.scaled = scaled
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -95,6 +121,10 @@ class FoldedGrad(torch.Tensor):
             return target
         if func is _ZERO and isinstance(target, FoldedGrad) and target.cleared is not None:
             target.cleared()
+            return target
+        scaling = func in _SCALE and isinstance(target, FoldedGrad) and target.scaled is not None
+        if scaling and _by_a_number(args, kwargs):
+            target.scaled(args[1], _SCALE[func])
             return target
         if func is _FOREACH_ZERO and all(isinstance(t, FoldedGrad) and t.cleared is not None for t in target):
             for marker in target:
@@ -124,8 +154,8 @@ class FoldedGrad(torch.Tensor):
                 " (an FSDP2 model's gradients are only folded: intake 'grad' is not offered for FSDP2)"
                 if fsdp
                 else "; for code that must read or edit .grad (torch.nn.utils.clip_grad_norm_, a framework's "
-                "clipping or norm logging, GradScaler.unscale_, a pipeline schedule's scale_grads), build the "
-                "wrapper with intake='grad' (the default with accum_steps=None)"
+                "clipping or norm logging, GradScaler.unscale_), build the wrapper with intake='grad' (the default "
+                "with accum_steps=None)"
             )
         )
 

@@ -177,8 +177,9 @@ class FSDPSync(Sync):
         return found_inf, self.window.global_normalization(items, micro_steps)
 
     def squared_norm(self, local: torch.Tensor) -> torch.Tensor:
-        """Every rank holds its shards: the squared norms add up over the mesh."""
-        return sum_over_ranks(local, self.group)
+        """Every rank holds its shards: the squared norms add up over the mesh
+        (and, on a pipeline stage, over the pipeline's stages)."""
+        return self.over_stages(sum_over_ranks(local, self.group))
 
     def stream_id(self, index: int) -> int:
         """Param ``index``'s stochastic-rounding stream on this rank: ranks hold

@@ -130,6 +130,13 @@ def _cleared_weak(ref, index) -> None:
         intake.cleared_in_place(index)
 
 
+def _scaled_weak(ref, index, factor, divide) -> None:
+    """A marker's call when ``.grad`` is scaled in place by a number, held weakly."""
+    intake = ref()
+    if intake is not None:
+        intake.scaled_in_place(index, factor, divide)
+
+
 def _shard_weak(ref, index, param) -> None:
     """An FSDP2 param's post-accumulate-grad hook, held weakly."""
     intake = ref()
@@ -456,7 +463,10 @@ class HookIntake(Intake):
         self._inbox = None
         self._native_inbox = NATIVE_INBOX and _native.is_loaded() and all(r.local_of is None for r in args[0])
         super().__init__(*args, **kwargs)
-        self._reduces = self.sync.reduces_buffers  # tell the sync of each bucket of the window's last micro-step
+        # Tell the sync of each bucket of the window's last micro-step, to
+        # reduce it during backward; not on a pipeline stage, whose schedule
+        # runs a backward per micro-batch before each step(): reduced there.
+        self._reduces = self.sync.reduces_buffers and not self.sync.pipeline
         # Lean (a layout without a flat buffer: accum_steps=1, one process): a
         # window of one micro-batch sums nothing, so each param's gradient is
         # held as it arrived (its own dtype) and the step reads it, times the
@@ -472,15 +482,16 @@ class HookIntake(Intake):
 
     def _register(self, r: ParamRecord):
         cleared = functools.partial(_cleared_weak, self._ref, r.index)
+        scaled = functools.partial(_scaled_weak, self._ref, r.index)
         if r.local_of is not None:
             # FSDP2 assigns the reduced shard to a .grad it finds None, or adds
             # it into the one it finds (the marker's sink takes it as a
             # gradient), and runs the post-accumulate-grad hooks itself.
             sink = functools.partial(_call_weak, self._ref, r.index)
-            r.marker = FoldedGrad(r.local, r.index, sink=sink, cleared=cleared)
+            r.marker = FoldedGrad(r.local, r.index, sink=sink, cleared=cleared, scaled=scaled)
             self._markers[r.index] = (r.param, sharded_grad(r.marker, r.param))
             return r.param.register_post_accumulate_grad_hook(functools.partial(_shard_weak, self._ref, r.index))
-        self._markers[r.index] = (r.param, FoldedGrad(r.param, r.index, cleared=cleared))
+        self._markers[r.index] = (r.param, FoldedGrad(r.param, r.index, cleared=cleared, scaled=scaled))
         r.marker = self._markers[r.index][1]  # (read by _arrive: one attribute instead of two lookups)
         # A pre-hook of the param's gradient accumulator (kept alive: torch holds
         # it weakly). Autograd runs it after every tensor hook on the param,
@@ -677,6 +688,32 @@ class HookIntake(Intake):
         window.unzeroed.discard(index)
         if index in window.had_grad:  # (else torch.optim's .grad is None there: the marker outlives a clear)
             window.zero_grads.add(index)
+
+    @torch.no_grad()
+    def scaled_in_place(self, index: int, factor, divide: bool) -> None:
+        """Param ``index``'s ``.grad`` (its marker) was scaled in place by a
+        number (``p.grad.div_(n)``: a pipeline schedule's ``scale_grads``;
+        ``mul_(c)``): torch.optim's ``.grad``, the window's sum so far, would
+        be scaled, so the param's buffer is. Its gradients still waiting for
+        their bucket are folded first; a lean window's held gradients (their
+        own dtype) go into the flat buffer first, where the scaling rounds
+        once in fp32. A param with no gradient in the window has nothing to
+        scale (zeros, or torch.optim's None). Refused where the param's bucket
+        is being reduced across ranks in place."""
+        self.flush()
+        r = self.layout.records[index]
+        if index not in self.window.touched:
+            return
+        if self._reduces and self.sync.bucket_launched(r.bucket):
+            raise RuntimeError(
+                f"param {index}'s .grad was scaled in place while its bucket is being reduced across ranks (from "
+                "the window's last backward on): scale the loss instead, or use intake='grad', whose .grad is the "
+                "reduced window"
+            )
+        if self.layout.flat is None:
+            self._materialize()
+        factor = factor.reshape(()) if isinstance(factor, torch.Tensor) else factor
+        (r.buffer.div_ if divide else r.buffer.mul_)(factor)
 
     def _on_shard(self, index: int) -> None:
         """An FSDP2 param's post-accumulate-grad hook: the reduced shard FSDP2

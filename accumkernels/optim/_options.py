@@ -153,7 +153,7 @@ def check_options(
     if len(devices) > 1:
         raise ValueError(f"params on several devices ({sorted(map(str, devices))}) are not supported yet")
     device = next(iter(devices)) if devices else torch.device("cpu")
-    stages = _pipeline.stages_holding(params) if initialized and mesh is None else []
+    stages = _pipeline.stages_holding(params) if initialized else []
     _pipeline.refuse_ddp_stages(stages)
     group = mesh.get_group() if mesh is not None else _data_parallel_group(stages, process_group, initialized)
     replicated = initialized and group is not _NO_REPLICAS
@@ -225,8 +225,9 @@ def _fsdp_mesh(params, intake, sharded, process_group, wire_dtype, state_dtype):
         )
     if intake == "grad":
         raise ValueError(
-            "an FSDP2 model needs intake='hooks' (pass accum_steps=N; clip with max_grad_norm=): "
-            "FSDP2 hands each micro-step's reduced shard over in .grad"
+            "an FSDP2 model needs intake='hooks': pass accum_steps=N (whose default it is), or intake='hooks' "
+            "with accum_steps=None (a pipeline stage's: each step() after schedule.step() ends a window); clip "
+            "with max_grad_norm=. FSDP2 hands each micro-step's reduced shard over in .grad"
         )
     if _ddp.ddp_modules_holding(params):
         raise ValueError("these params are both FSDP2-sharded and held by DistributedDataParallel: use one")

@@ -16,12 +16,17 @@ abort the process inside the collective). So a wrapper whose params a
 
 A schedule runs one backward per micro-batch and then divides ``.grad`` by
 their number (``scale_grads``), so a stage's wrapper runs with
-``accum_steps=None`` and intake "grad" (its defaults): every ``step()`` after
-a schedule step ends a window. A stage with replicas has its window reduced
-when the schedule's backwards end (``reduce_when_backwards_end``), where
-torch's data-parallel wrappers reduce theirs: code that reads ``.grad``
+``accum_steps=None``: every ``step()`` after a schedule step ends a window.
+With intake "grad" (its default), a stage with replicas has its window
+reduced when the schedule's backwards end (``reduce_when_backwards_end``),
+where torch's data-parallel wrappers reduce theirs: code that reads ``.grad``
 between ``schedule.step()`` and ``step()`` (a clip, a logged norm) sees the
-stage's gradient averaged over its replicas, as with DDP or FSDP.
+stage's gradient averaged over its replicas, as with DDP or FSDP. With intake
+"hooks" (an FSDP2 stage's), ``scale_grads`` divides the ``.grad`` markers
+(accumkernels.optim._folded), and a stage with plain replicas reduces at
+``step()``; FSDP2 reduces its own stage's gradients in the schedule's
+``perform_reduce_grad``. Either way a clip by ``max_grad_norm=`` sums the
+stages' squared norms over the pipeline group (``Sync.over_stages``).
 """
 
 from __future__ import annotations

@@ -115,10 +115,10 @@ def make_sync(options, layout: Layout, window: Window, *, sharded: bool, wire_dt
     the window averaged over ranks (as DDP's) once reduced."""
     from . import _ddp, _distributed, _fsdp
 
+    ddp = _ddp.DDPWatch(options.params, window) if options.initialized and options.mesh is None else None
     if options.mesh is not None:
-        return _fsdp.FSDPSync(options.mesh, options.params, layout, window)
-    ddp = _ddp.DDPWatch(options.params, window) if options.initialized else None
-    if options.world_size > 1:
+        sync = _fsdp.FSDPSync(options.mesh, options.params, layout, window)
+    elif options.world_size > 1:
         sync = _distributed.BucketSync(
             options.process_group,
             layout,
