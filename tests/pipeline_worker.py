@@ -71,9 +71,11 @@ def torch_clip(params, max_norm: float, pp_group) -> float:
     pp mesh): each stage's squared norm of ``.grad`` summed over the pipeline
     group, every stage clipped by the whole model's norm; between
     ``schedule.step()`` and ``step()``, where torch's data-parallel
-    reduction (DDP, FSDP) has made ``.grad`` the stage's global gradient."""
+    reduction (DDP, FSDP) has made ``.grad`` the stage's global gradient
+    (FSDP2's: a DTensor, whose norm is one over the dp mesh)."""
     params = [p for p in params if p.grad is not None]
-    squared = torch.nn.utils.get_total_norm([p.grad for p in params]) ** 2
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    squared = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm) ** 2
     dist.all_reduce(squared, group=pp_group)
     total = squared.sqrt()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
@@ -221,11 +223,7 @@ def _train_fsdp_stages(cfg, mesh, ours: bool):
         else:
             schedule.step(target=y, losses=[])
         if not ours:
-            params = [p for p in sub.parameters() if p.grad is not None]
-            squared = torch.nn.utils.get_total_norm([p.grad for p in params]).full_tensor() ** 2
-            dist.all_reduce(squared, group=pp_group)
-            torch.nn.utils.clip_grads_with_norm_(params, cfg["torch_clip"], squared.sqrt())
-            norms.append(float(squared.sqrt()))
+            norms.append(torch_clip(sub.parameters(), cfg["torch_clip"], pp_group))
         opt.step()
         opt.zero_grad()
         if ours:
@@ -257,43 +255,61 @@ FOUR_CUTS = [(0, 2), (2, 4), (4, 7), (7, 9)]
 
 def _train_interleaved(cfg, mesh, ours: bool):
     """Stages pp_rank and pp_rank + 2 of four on this rank, Interleaved1F1B,
-    torch's clip after each schedule step. ``ours``: one wrapper per stage;
-    else torch's AdamW over both, after ``.grad`` is averaged over dp (what
-    DDP or FSDP stages give; DDP stages fail inside torch's interleaved
-    schedules, an internal assert of DDP's reducer)."""
+    clipped after each schedule step. ``ours``: one wrapper per stage and
+    torch's clip; else torch's AdamW over both, after ``.grad`` is averaged
+    over dp (what DDP or FSDP stages give; DDP stages fail inside torch's
+    interleaved schedules, an internal assert of DDP's reducer), and torch's
+    clip. cfg["fsdp"]: each stage module FSDP2-sharded over dp (FSDP2
+    averages .grad), and ours one wrapper over both stages with
+    max_grad_norm= (one per stage is refused: "one_per_stage")."""
     from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 
     pp_rank, dp_rank, pp_group = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank(), mesh["pp"].get_group()
     model = _four_stages()
     subs = [model[slice(*FOUR_CUTS[i])] for i in (pp_rank, pp_rank + 2)]
+    fsdp = cfg.get("fsdp", False)
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for sub in subs:
+            fully_shard(sub, mesh=mesh["dp"])
     stages = [
         PipelineStage(sub, i, 4, torch.device("cpu"), group=pp_group) for sub, i in zip(subs, (pp_rank, pp_rank + 2))
     ]
     params = [p for sub in subs for p in sub.parameters()]
-    if ours:
+    out = {}
+    if ours and fsdp:
+        clip = {"intake": "hooks", "max_grad_norm": cfg["torch_clip"], "backend": cfg["backend"]}
+        out["one_per_stage"] = _error(lambda: ak.AccumulatingOptimizer(make_inner(subs[0].parameters()), **clip))
+        opts = [ak.AccumulatingOptimizer(make_inner(params), **clip)]
+    elif ours:
         opts = [ak.AccumulatingOptimizer(make_inner(sub.parameters()), backend=cfg["backend"]) for sub in subs]
     else:
         opts = [make_inner(params)]
     schedule = ScheduleInterleaved1F1B(stages, MICRO, loss_fn=lambda out, target: F.mse_loss(out, target))
-    trajectory, norms = [[p.detach().clone() for p in params]], []
+    full = (lambda p: p.full_tensor()) if fsdp else (lambda p: p.detach())
+    trajectory, norms = [[full(p).clone() for p in params]], []
     for w in range(WINDOWS):
         x, y = batch(cfg["seed"], w, dp_rank)
         if pp_rank == 0:
             schedule.step(x)
         else:
             schedule.step(target=y, losses=[])
-        if not ours:
+        if not ours and not fsdp:
             for p in params:
                 dist.all_reduce(p.grad, group=mesh["dp"].get_group())
                 p.grad.div_(mesh["dp"].size())
-        norms.append(torch_clip(params, cfg["torch_clip"], pp_group))
+        if not (ours and fsdp):
+            norms.append(torch_clip(params, cfg["torch_clip"], pp_group))
         for opt in opts:
             opt.step()
             opt.zero_grad()
-        trajectory.append([p.detach().clone() for p in params])
+        if ours and fsdp:
+            norms.append(float(opts[0].last_grad_norm))
+        trajectory.append([full(p).clone() for p in params])
     for opt in opts:
         getattr(opt, "close", lambda: None)()
-    return {"trajectory": trajectory, "norms": norms}
+    return {"trajectory": trajectory, "norms": norms, **out}
 
 
 def mesh_interleaved(cfg, rank, world):

@@ -37,6 +37,7 @@ CASES_4 = {
     "mesh-interleaved": dict(scenario="mesh_interleaved", torch_clip=CLIP),
     "mesh-1f1b-hooks-clip": dict(scenario="mesh_pp_dp", schedule="1f1b", intake="hooks", clip=CLIP),
     "mesh-fsdp": dict(scenario="mesh_fsdp", schedule="1f1b", torch_clip=CLIP),
+    "mesh-interleaved-fsdp": dict(scenario="mesh_interleaved", torch_clip=CLIP, fsdp=True),
 }
 
 
@@ -106,7 +107,7 @@ def test_a_pp_by_dp_mesh_equals_one_process(runs, case):
         assert_stages_exact_to_fp32([stages[0][key], stages[1][key]], 2, _clip(CASES_4[case]), logged * torch_clip)
 
 
-@pytest.mark.parametrize("case", ["mesh-against-ddp", "mesh-interleaved", "mesh-fsdp"])
+@pytest.mark.parametrize("case", ["mesh-against-ddp", "mesh-interleaved", "mesh-fsdp", "mesh-interleaved-fsdp"])
 def test_a_pp_by_dp_mesh_trains_as_torch(runs, case):
     """Torch's clip between schedule.step() and step(), against torch's AdamW
     on the .grad torch's data-parallel stages give: two schedule steps per
@@ -118,12 +119,16 @@ def test_a_pp_by_dp_mesh_trains_as_torch(runs, case):
     divides .grad, our markers' window sums included; ours clips with
     max_grad_norm=, by the whole model's norm summed over pp and dp: before,
     scale_grads was refused and max_grad_norm= clipped each stage by its
-    own norm). The runs' gradients are bitwise alike (W=2: halving
+    own norm), one stage per rank (1F1B) and two (Interleaved1F1B, one
+    wrapper over both). The runs' gradients are bitwise alike (W=2: halving
     is exact), so each window differs by the fused step's operation order,
     STEP_ULPS ulps of a tensor's largest value per step; the logged norms are
-    of params that differ by that much (1e-5 relative). The wrapper over a
-    DDP stage is refused: the schedule prepares DDP's reducer itself, which
-    would reduce .grad a second time (in bf16 for bf16 params)."""
+    of params that differ by that much (1e-5 relative). Refused: the wrapper
+    over a DDP stage (the schedule prepares DDP's reducer itself, which would
+    reduce .grad a second time, in bf16 for bf16 params), and max_grad_norm=
+    on a wrapper over one of a rank's two stages (its norm, summed over pp,
+    would leave out the other's: each stage was clipped by half the model's
+    norm before)."""
     for result in (r[case] for r in runs[4]):
         ours, reference = result["ours"], result["torch"]
         torch.testing.assert_close(torch.tensor(ours["norms"]), torch.tensor(reference["norms"]), rtol=1e-5, atol=0)
@@ -131,6 +136,8 @@ def test_a_pp_by_dp_mesh_trains_as_torch(runs, case):
             _assert_fused_close(a, b, steps=w)
         if case == "mesh-against-ddp":
             assert "plain module (ddp.module)" in result["ddp_stage"]
+        if case == "mesh-interleaved-fsdp":
+            assert "one optimizer over the params of all of this process's stages" in ours["one_per_stage"]
 
 
 def test_what_a_pipeline_must_not_train_silently(runs):

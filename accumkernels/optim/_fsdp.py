@@ -105,10 +105,12 @@ def mesh_of(params):
             f"params {plain[:5]} are plain tensors beside FSDP2's DTensor params: apply fully_shard to the whole "
             "model (its root too), so that every param the optimizer holds is sharded"
         )
-    meshes = {id(p.device_mesh): p.device_mesh for p in params}
+    # Equal meshes are one (DeviceMesh compares ranks and dimension names):
+    # each mesh["dp"] is a new object, as in fully_shard(part, mesh=mesh["dp"]) per part.
+    meshes = {p.device_mesh for p in params}
     if len(meshes) > 1:
         raise ValueError(f"the params are on {len(meshes)} device meshes; AccumulatingOptimizer supports one")
-    mesh = next(iter(meshes.values()))
+    mesh = next(iter(meshes))
     if mesh.ndim != 1:
         raise ValueError(
             f"the params are on a {mesh.ndim}-D device mesh (HSDP or tensor parallelism); AccumulatingOptimizer "

@@ -43,7 +43,9 @@ class Options(NamedTuple):
     world_size: int
     rank: int
     # A pipeline stage's params: (the stage's pipeline group, None for the
-    # world,), over which a norm of the window sums (the whole model's); else ().
+    # world; over which a norm of the window sums: the whole model's, and the
+    # refusal of that norm where the optimizer holds only some of this
+    # process's stages, else None); else ().
     pipeline: tuple = ()
 
 
@@ -160,7 +162,9 @@ def check_options(
     world_size = dist.get_world_size(group) if replicated else 1
     rank = dist.get_rank(group) if replicated else 0
     group = None if group is _NO_REPLICAS else group
-    pipeline = (stages[0].group,) if stages else ()
+    pipeline = (stages[0].group, _pipeline.part_of_process(stages)) if stages else ()
+    if max_grad_norm is not None and pipeline and pipeline[1]:
+        raise ValueError(pipeline[1])
     return Options(accum_steps, intake, params, groups, device, mesh, initialized, group, world_size, rank, pipeline)
 
 

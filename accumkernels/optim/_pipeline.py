@@ -64,6 +64,26 @@ def refuse_ddp_stages(stages) -> None:
             )
 
 
+def part_of_process(stages) -> str | None:
+    """Where this process runs more stages of the pipeline than ``stages``
+    (those holding the optimizer's params: one optimizer per stage under an
+    interleaved or looped schedule), the refusal of a norm over the pipeline:
+    each optimizer's squared norm is summed over the pipeline group, which
+    then leaves out this process's other stages. Else None."""
+    stage = stages[0]
+    per_process = stage.num_stages // stage.group_size
+    if len(stages) >= per_process:
+        return None
+    held = sorted(s.stage_index for s in stages)
+    return (
+        f"this process runs {per_process} stages of its pipeline ({stage.num_stages} stages on "
+        f"{stage.group_size} ranks) and this optimizer holds stage {held}'s params only: a norm for "
+        "max_grad_norm= or clip_grad_norm_() sums one optimizer per process over the pipeline group, so it would "
+        "leave out the other stages' gradients. Build one optimizer over the params of all of this process's "
+        "stages, or clip .grad with torch's clip over all of them (intake 'grad') and leave max_grad_norm= unset"
+    )
+
+
 def reduce_when_backwards_end(stage, reduce) -> None:
     """Have ``stage``'s schedule call ``reduce()`` once a step's backwards have
     run: after ``perform_reduce_grad`` (where torch's schedules reduce an

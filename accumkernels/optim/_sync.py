@@ -38,7 +38,8 @@ class Sync:
     # accum_steps=None, intake "grad", no DDP module to say which backward ends
     # the window: each backward ends with the reduction (see BucketSync.reopen)
     each_backward = False
-    # A pipeline stage's: (its pipeline group, None for the world,), else ()
+    # A pipeline stage's: (its pipeline group, None for the world; the
+    # refusal of a norm over it, or None), else () (see _options.Options)
     pipeline: tuple = ()
 
     def __init__(self, layout: Layout, window: Window, ddp=None) -> None:
@@ -92,6 +93,8 @@ class Sync:
         (every stage's step() takes part, as each rank runs its own)."""
         if not self.pipeline:
             return squared
+        if self.pipeline[1]:
+            raise RuntimeError(self.pipeline[1])
         from ._distributed import sum_over_ranks  # (it imports this module)
 
         return sum_over_ranks(squared, self.pipeline[0])
