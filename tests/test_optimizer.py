@@ -1665,6 +1665,42 @@ def test_model_to_after_wrapping(backend, change):
         assert opt.window_stepped
 
 
+@pytest.mark.parametrize("intake", ak.AccumulatingOptimizer.INTAKES)
+def test_another_layout_after_wrapping_is_refused_by_name(backend, intake):
+    """model.to(memory_format=torch.channels_last) after wrapping (torch.optim
+    steps on; the buffers, state and master weights here are laid out as the
+    params were): intake "hooks" refuses the conversion of .grad's marker,
+    intake "grad" the next gradient (the kernels refused it at the step
+    before, naming no way out); a param's .data swapped for a tensor laid out
+    otherwise, at the step, before any param is written."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 3))
+    opt = ak.AdamW(model.parameters(), lr=1e-2, intake=intake, backend=backend)
+    x = torch.randn(2, 3, 7, 7)
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    if intake == "hooks":
+        model(x).pow(2).mean().backward()
+        with pytest.raises(RuntimeError, match="memory_format"):
+            model.to(memory_format=torch.channels_last)
+    else:
+        model.to(memory_format=torch.channels_last)
+        with pytest.raises(RuntimeError, match=r"strides .*model.to\(memory_format"):
+            model(x).pow(2).mean().backward()
+    opt.close()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 3))
+    opt = ak.AdamW(model.parameters(), lr=1e-2, intake=intake, backend=backend)
+    model(x).pow(2).mean().backward()
+    weight = model[0].weight
+    weight.data = weight.data.contiguous(memory_format=torch.channels_last)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="p.data = a tensor laid out otherwise"):
+        opt.step()
+    assert all(map(torch.equal, model.parameters(), before))
+
+
 @pytest.mark.parametrize("where", ["mid-window", "boundary"])
 def test_resuming_with_another_accum_steps(backend, where):
     """A checkpoint saved 2 micro-steps into a window of 4, loaded into a

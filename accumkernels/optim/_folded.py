@@ -72,9 +72,12 @@ def _by_a_number(args, kwargs) -> bool:
 
 
 def _same_place(t: torch.Tensor, kwargs: dict) -> bool:
-    """_to_copy's dtype and device are t's own (a device index of the current device counts as none)."""
-    dtype, device = kwargs.get("dtype"), kwargs.get("device")
+    """_to_copy's dtype, device and memory format are t's own (a device index
+    of the current device counts as none)."""
+    dtype, device, memory_format = kwargs.get("dtype"), kwargs.get("device"), kwargs.get("memory_format")
     if dtype is not None and dtype != t.dtype:
+        return False
+    if memory_format not in (None, torch.preserve_format) and not t.is_contiguous(memory_format=memory_format):
         return False
     if device is None:
         return True
@@ -137,9 +140,9 @@ class FoldedGrad(torch.Tensor):
             if isinstance(target, FoldedGrad) and _same_place(target, kwargs or {}):
                 return target  # another spelling of the same device ('cpu:0' for 'cpu'), as Accelerate's prepare
             raise RuntimeError(
-                f"param {index} cannot be converted or moved (model.to(), .half(), .cuda(), ...) while "
-                "AccumulatingOptimizer holds it: its buffer, master weights and state dtype were chosen for its dtype "
-                "and device. Convert or move the model first, then build the optimizer and the wrapper (or call "
+                f"param {index} cannot be converted or moved (model.to(), .half(), .cuda(), memory_format=...) while "
+                "AccumulatingOptimizer holds it: its buffer, master weights and state were made for its dtype, "
+                "device and layout. Convert or move the model first, then build the optimizer and the wrapper (or call "
                 "opt.close() first)"
             )
         framework = _guards.framework_reading_grad(index)

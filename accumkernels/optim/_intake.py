@@ -351,6 +351,9 @@ class Intake:
                 f"{param.dtype} on {param.device} (model.to() after wrapping): convert or move the model first, "
                 "then build the optimizer and the wrapper"
             )
+        relaid = r.relaid()
+        if relaid:
+            raise RuntimeError(relaid)
 
     @staticmethod
     def _check_shape(r: ParamRecord, grad: torch.Tensor) -> None:

@@ -80,12 +80,27 @@ class ParamRecord:
     buffer: torch.Tensor | None = None
     shard: tuple[int, int] | None = None  # [lo, hi) of its elements this rank steps; None: all
     precision: object = None  # how the fused step keeps it (_update.Precision)
-    dtype: torch.dtype | None = None  # the param's dtype and device when wrapped (model.to() after wrapping is refused)
+    # the param's dtype, device and strides when wrapped (model.to() after wrapping is refused)
+    dtype: torch.dtype | None = None
     device: torch.device | None = None
+    stride: tuple[int, ...] = ()
     master: torch.Tensor | None = None  # master weights of what this rank steps: fp32, or int16 remainders
     marker: torch.Tensor | None = None  # intake "hooks": the FoldedGrad its .grad holds
     contiguous: bool = True  # its buffer view is contiguous (intake "hooks" reads it per gradient)
     buffer_stride: tuple[int, ...] = ()  # its buffer view's strides
+
+    def relaid(self) -> str | None:
+        """Where the param is no longer laid out as when wrapped (its buffer,
+        state and master weights are laid out like it was), the refusal; else None."""
+        stride = self.param.stride()
+        if stride == self.stride:
+            return None
+        return (
+            f"param {self.index} has strides {stride} and had {self.stride} when AccumulatingOptimizer was built "
+            "(model.to(memory_format=...), or p.data = a tensor laid out otherwise, after wrapping): its buffer, "
+            "state and master weights are laid out as it was. Convert the model first, then build the optimizer "
+            "and the wrapper (or call opt.close() first)"
+        )
 
     @property
     def local(self) -> torch.Tensor:
@@ -185,7 +200,7 @@ class Layout:
         # its fully_shard module); a bucket never spans two, so it is folded as
         # soon as its unit's gradients are in.
         self.records = [
-            ParamRecord(p, local, i, g, 0, dtype=p.dtype, device=p.device)
+            ParamRecord(p, local, i, g, 0, dtype=p.dtype, device=p.device, stride=p.stride())
             for i, (p, g) in enumerate(zip(params, groups))
         ]
         self._by_id = {id(r.param): r for r in self.records}
