@@ -10,6 +10,8 @@ the whole model on all data-parallel ranks' batches (window_gradients).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from distributed_worker import run_cases
@@ -287,6 +289,13 @@ def _train_interleaved(cfg, mesh, ours: bool):
     else:
         opts = [make_inner(params)]
     schedule = ScheduleInterleaved1F1B(stages, MICRO, loss_fn=lambda out, target: F.mse_loss(out, target))
+    if cfg.get("multi_loop"):
+        # PipelineScheduleMulti's own step loop over the same order (custom
+        # schedules subclassing it run it): it calls each stage's scale_grads
+        # after its last backward, not perform_reduce_grad.
+        from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+
+        schedule._step_microbatches = functools.partial(PipelineScheduleMulti._step_microbatches, schedule)
     full = (lambda p: p.full_tensor()) if fsdp else (lambda p: p.detach())
     trajectory, norms = [[full(p).clone() for p in params]], []
     for w in range(WINDOWS):

@@ -38,6 +38,7 @@ CASES_4 = {
     "mesh-1f1b-hooks-clip": dict(scenario="mesh_pp_dp", schedule="1f1b", intake="hooks", clip=CLIP),
     "mesh-fsdp": dict(scenario="mesh_fsdp", schedule="1f1b", torch_clip=CLIP),
     "mesh-interleaved-fsdp": dict(scenario="mesh_interleaved", torch_clip=CLIP, fsdp=True),
+    "mesh-multi-loop": dict(scenario="mesh_interleaved", torch_clip=CLIP, multi_loop=True),
 }
 
 
@@ -107,14 +108,18 @@ def test_a_pp_by_dp_mesh_equals_one_process(runs, case):
         assert_stages_exact_to_fp32([stages[0][key], stages[1][key]], 2, _clip(CASES_4[case]), logged * torch_clip)
 
 
-@pytest.mark.parametrize("case", ["mesh-against-ddp", "mesh-interleaved", "mesh-fsdp", "mesh-interleaved-fsdp"])
+@pytest.mark.parametrize(
+    "case", ["mesh-against-ddp", "mesh-interleaved", "mesh-multi-loop", "mesh-fsdp", "mesh-interleaved-fsdp"]
+)
 def test_a_pp_by_dp_mesh_trains_as_torch(runs, case):
     """Torch's clip between schedule.step() and step(), against torch's AdamW
     on the .grad torch's data-parallel stages give: two schedule steps per
     window on stages wrapped in DDP (the wrapper's second schedule step adds
     into the reduced window, which is reduced again); and Interleaved1F1B,
     two stages per rank (.grad averaged over dp by hand: DDP stages fail
-    there inside torch); and stages FSDP2-sharded over dp (torchtitan's PP x
+    there inside torch), also run by PipelineScheduleMulti's own step loop
+    (custom schedules' loop: it calls each stage's scale_grads, not
+    perform_reduce_grad, and the wrapper reduces after it); and stages FSDP2-sharded over dp (torchtitan's PP x
     FSDP: FSDP2 reduce-scatters when the backwards end, then scale_grads
     divides .grad, our markers' window sums included; ours clips with
     max_grad_norm=, by the whole model's norm summed over pp and dp: before,
