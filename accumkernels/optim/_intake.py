@@ -351,9 +351,8 @@ class Intake:
                 f"{param.dtype} on {param.device} (model.to() after wrapping): convert or move the model first, "
                 "then build the optimizer and the wrapper"
             )
-        relaid = r.relaid()
-        if relaid:
-            raise RuntimeError(relaid)
+        if param.stride() != r.stride:
+            raise RuntimeError(r.relaid())
 
     @staticmethod
     def _check_shape(r: ParamRecord, grad: torch.Tensor) -> None:
