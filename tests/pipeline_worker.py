@@ -140,8 +140,9 @@ def _error(run) -> str | None:
 
 
 def _options(cfg) -> dict:
-    """The wrapper's options: the defaults, max_grad_norm=cfg["clip"], intake=cfg["intake"]."""
-    return {name: cfg[key] for key, name in (("clip", "max_grad_norm"), ("intake", "intake")) if cfg.get(key)}
+    """The wrapper's options: the defaults, max_grad_norm=cfg["clip"], intake=cfg["intake"], sharded=cfg["sharded"]."""
+    names = (("clip", "max_grad_norm"), ("intake", "intake"), ("sharded", "sharded"))
+    return {name: cfg[key] for key, name in names if cfg.get(key)}
 
 
 def pipeline_only(cfg, rank, world):

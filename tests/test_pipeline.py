@@ -36,6 +36,7 @@ CASES_4 = {
     ),
     "mesh-interleaved": dict(scenario="mesh_interleaved", torch_clip=CLIP),
     "mesh-1f1b-hooks-clip": dict(scenario="mesh_pp_dp", schedule="1f1b", intake="hooks", clip=CLIP),
+    "mesh-1f1b-zero1-clip": dict(scenario="mesh_pp_dp", schedule="1f1b", intake="hooks", sharded=True, clip=CLIP),
     "mesh-fsdp": dict(scenario="mesh_fsdp", schedule="1f1b", torch_clip=CLIP),
     "mesh-interleaved-fsdp": dict(scenario="mesh_interleaved", torch_clip=CLIP, fsdp=True),
     "mesh-multi-loop": dict(scenario="mesh_interleaved", torch_clip=CLIP, multi_loop=True),
@@ -85,7 +86,7 @@ def test_each_stage_equals_one_process(runs, schedule):
     assert_stages_exact_to_fp32([result["trajectory"] for result in results], 1, _clip(CASES_2[schedule]), logged)
 
 
-@pytest.mark.parametrize("case", ["mesh-1f1b", "mesh-1f1b-clip", "mesh-1f1b-torch-clip", "mesh-1f1b-hooks-clip"])
+@pytest.mark.parametrize("case", [name for name, case in CASES_4.items() if case["scenario"] == "mesh_pp_dp"])
 def test_a_pp_by_dp_mesh_equals_one_process(runs, case):
     """(pp=2, dp=2): each stage's wrapper reduces over its dp dimension only,
     found on the mesh or given as process_group=mesh['dp']; the replicas of a
