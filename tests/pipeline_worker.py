@@ -68,6 +68,14 @@ def _schedule(name: str, stage, scale_grads: bool = True):
     return cls(stage, MICRO, loss_fn=lambda out, target: F.mse_loss(out, target), scale_grads=scale_grads)
 
 
+def schedule_step(schedule, pp_rank: int, x, y) -> None:
+    """One schedule step of a two-rank pipeline: the first rank feeds the inputs, the last the targets."""
+    if pp_rank == 0:
+        schedule.step(x)
+    else:
+        schedule.step(target=y, losses=[])
+
+
 def torch_clip(params, max_norm: float, pp_group) -> float:
     """How torch users clip a pipeline (torchtitan's clip_grad_norm_ with a
     pp mesh): each stage's squared norm of ``.grad`` summed over the pipeline
@@ -114,10 +122,7 @@ def train_pipeline(
     for w in range(WINDOWS):
         for k in range(cfg.get("schedule_steps", 1)):
             x, y = batch(cfg["seed"], w + 1000 * k, dp_rank, 12 if equal else 3)
-            if pp_rank == 0:
-                schedule.step(x)
-            else:
-                schedule.step(target=y, losses=[])
+            schedule_step(schedule, pp_rank, x, y)
         if cfg.get("torch_clip"):
             norms.append(torch_clip(sub.parameters(), cfg["torch_clip"], pp_group or dist.group.WORLD))
         opt.step()
@@ -221,10 +226,7 @@ def _train_fsdp_stages(cfg, mesh, ours: bool):
     trajectory, norms = [[p.full_tensor().clone() for p in sub.parameters()]], []
     for w in range(WINDOWS):
         x, y = batch(cfg["seed"], w, dp_rank)
-        if pp_rank == 0:
-            schedule.step(x)
-        else:
-            schedule.step(target=y, losses=[])
+        schedule_step(schedule, pp_rank, x, y)
         if not ours:
             norms.append(torch_clip(sub.parameters(), cfg["torch_clip"], pp_group))
         opt.step()
@@ -301,10 +303,7 @@ def _train_interleaved(cfg, mesh, ours: bool):
     trajectory, norms = [[full(p).clone() for p in params]], []
     for w in range(WINDOWS):
         x, y = batch(cfg["seed"], w, dp_rank)
-        if pp_rank == 0:
-            schedule.step(x)
-        else:
-            schedule.step(target=y, losses=[])
+        schedule_step(schedule, pp_rank, x, y)
         if not ours and not fsdp:
             for p in params:
                 dist.all_reduce(p.grad, group=mesh["dp"].get_group())
