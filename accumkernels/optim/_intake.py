@@ -696,14 +696,17 @@ class HookIntake(Intake):
         """Param ``index``'s ``.grad`` (its marker) was scaled in place by a
         number (``p.grad.div_(n)``: a pipeline schedule's ``scale_grads``;
         ``mul_(c)``): torch.optim's ``.grad``, the window's sum so far, would
-        be scaled, so the param's buffer is. Its gradients still waiting for
-        their bucket are folded first; a lean window's held gradients (their
+        be scaled, so the param's buffer is. Its bucket's gradients still
+        waiting are folded first (that bucket only: a schedule's scale_grads
+        calls this once per param); a lean window's held gradients (their
         own dtype) go into the flat buffer first, where the scaling rounds
         once in fp32. A param with no gradient in the window has nothing to
         scale (zeros, or torch.optim's None). Refused where the param's bucket
         is being reduced across ranks in place."""
-        self.flush()
+        self._drain()
         r = self.layout.records[index]
+        if self._pending.get(r.bucket.index):
+            self._fold(r.bucket)
         if index not in self.window.touched:
             return
         if self._reduces and self.sync.bucket_launched(r.bucket):
