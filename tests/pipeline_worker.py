@@ -203,50 +203,6 @@ def mesh_against_ddp(cfg, rank, world):
     return out
 
 
-def _train_fsdp_stages(cfg, mesh, ours: bool):
-    """Each stage module fully_shard over the mesh's dp dimension (torchtitan's
-    PP x FSDP), the schedule's defaults (its perform_reduce_grad runs FSDP2's
-    reduce-scatter after the last backward, then scale_grads divides .grad by
-    the micro-batches). torch's run: torch's AdamW, torch's clip on the
-    sharded .grad (DTensor norms summed over pp); ours: the wrapper (intake
-    "hooks", FSDP2's) with max_grad_norm=, whose .grad markers take
-    scale_grads' division. Returns the stage's full params after each window
-    and the norms clipped by."""
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.pipelining import PipelineStage
-
-    pp_rank, dp_rank, pp_group = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank(), mesh["pp"].get_group()
-    sub = stage_module(full_model(), pp_rank)
-    fully_shard(sub, mesh=mesh["dp"])
-    stage = PipelineStage(sub, pp_rank, 2, torch.device("cpu"), group=pp_group)
-    opt = make_inner(sub.parameters())
-    if ours:
-        opt = ak.AccumulatingOptimizer(opt, backend=cfg["backend"], intake="hooks", max_grad_norm=cfg["torch_clip"])
-    schedule = _schedule(cfg["schedule"], stage)
-    trajectory, norms = [[p.full_tensor().clone() for p in sub.parameters()]], []
-    for w in range(WINDOWS):
-        x, y = batch(cfg["seed"], w, dp_rank)
-        schedule_step(schedule, pp_rank, x, y)
-        if not ours:
-            norms.append(torch_clip(sub.parameters(), cfg["torch_clip"], pp_group))
-        opt.step()
-        opt.zero_grad()
-        if ours:
-            norms.append(float(opt.last_grad_norm))
-        trajectory.append([p.full_tensor().clone() for p in sub.parameters()])
-    if ours:
-        opt.close()
-    return {"trajectory": trajectory, "norms": norms}
-
-
-def mesh_fsdp(cfg, rank, world):
-    """(pp=2, dp=2), each stage FSDP2-sharded over dp: torch's run and ours."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    return {"torch": _train_fsdp_stages(cfg, mesh, False), "ours": _train_fsdp_stages(cfg, mesh, True)}
-
-
 def _four_stages() -> nn.Sequential:
     torch.manual_seed(1234)
     return nn.Sequential(
@@ -258,40 +214,56 @@ def _four_stages() -> nn.Sequential:
 FOUR_CUTS = [(0, 2), (2, 4), (4, 7), (7, 9)]
 
 
-def _train_interleaved(cfg, mesh, ours: bool):
-    """Stages pp_rank and pp_rank + 2 of four on this rank, Interleaved1F1B,
-    clipped after each schedule step. ``ours``: one wrapper per stage and
-    torch's clip; else torch's AdamW over both, after ``.grad`` is averaged
+def _stage_modules(cfg, pp_rank: int) -> list[tuple[int, nn.Module]]:
+    """This rank's (stage index, module) pairs: with cfg["interleaved"], stages
+    pp_rank and pp_rank + 2 of four (Interleaved1F1B); else stage pp_rank of two."""
+    if not cfg.get("interleaved"):
+        return [(pp_rank, stage_module(full_model(), pp_rank))]
+    model = _four_stages()
+    return [(i, model[slice(*FOUR_CUTS[i])]) for i in (pp_rank, pp_rank + 2)]
+
+
+def _train_stages(cfg, mesh, ours: bool):
+    """This rank's stages (_stage_modules) on the (pp=2, dp=2) mesh, clipped
+    after each schedule step. ``ours``: one wrapper per stage and torch's
+    clip; else torch's AdamW over all of them, after ``.grad`` is averaged
     over dp (what DDP or FSDP stages give; DDP stages fail inside torch's
     interleaved schedules, an internal assert of DDP's reducer), and torch's
-    clip. cfg["fsdp"]: each stage module FSDP2-sharded over dp (FSDP2
-    averages .grad), and ours one wrapper over both stages with
-    max_grad_norm= (one per stage is refused: "one_per_stage")."""
+    clip. cfg["fsdp"]: each stage module FSDP2-sharded over dp (torchtitan's
+    PP x FSDP: FSDP2 averages .grad, reduce-scattered in the schedule's
+    perform_reduce_grad before scale_grads divides it), torch's clip on the
+    sharded .grad, and ours one wrapper over all the rank's stages (intake
+    "hooks", FSDP2's) with max_grad_norm= (one per stage, of two, is refused:
+    "one_per_stage"). Returns the params (full) after each window and the
+    norms clipped by."""
     from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 
     pp_rank, dp_rank, pp_group = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank(), mesh["pp"].get_group()
-    model = _four_stages()
-    subs = [model[slice(*FOUR_CUTS[i])] for i in (pp_rank, pp_rank + 2)]
+    indexed = _stage_modules(cfg, pp_rank)
+    subs = [sub for _, sub in indexed]
     fsdp = cfg.get("fsdp", False)
     if fsdp:
         from torch.distributed.fsdp import fully_shard
 
         for sub in subs:
             fully_shard(sub, mesh=mesh["dp"])
-    stages = [
-        PipelineStage(sub, i, 4, torch.device("cpu"), group=pp_group) for sub, i in zip(subs, (pp_rank, pp_rank + 2))
-    ]
+    num_stages = 2 * len(indexed)
+    stages = [PipelineStage(sub, i, num_stages, torch.device("cpu"), group=pp_group) for i, sub in indexed]
     params = [p for sub in subs for p in sub.parameters()]
     out = {}
     if ours and fsdp:
         clip = {"intake": "hooks", "max_grad_norm": cfg["torch_clip"], "backend": cfg["backend"]}
-        out["one_per_stage"] = _error(lambda: ak.AccumulatingOptimizer(make_inner(subs[0].parameters()), **clip))
+        if len(subs) > 1:
+            out["one_per_stage"] = _error(lambda: ak.AccumulatingOptimizer(make_inner(subs[0].parameters()), **clip))
         opts = [ak.AccumulatingOptimizer(make_inner(params), **clip)]
     elif ours:
         opts = [ak.AccumulatingOptimizer(make_inner(sub.parameters()), backend=cfg["backend"]) for sub in subs]
     else:
         opts = [make_inner(params)]
-    schedule = ScheduleInterleaved1F1B(stages, MICRO, loss_fn=lambda out, target: F.mse_loss(out, target))
+    if cfg.get("interleaved"):
+        schedule = ScheduleInterleaved1F1B(stages, MICRO, loss_fn=lambda out, target: F.mse_loss(out, target))
+    else:
+        schedule = _schedule(cfg["schedule"], stages[0])
     if cfg.get("multi_loop"):
         # PipelineScheduleMulti's own step loop over the same order (custom
         # schedules subclassing it run it): it calls each stage's scale_grads
@@ -321,14 +293,15 @@ def _train_interleaved(cfg, mesh, ours: bool):
     return {"trajectory": trajectory, "norms": norms, **out}
 
 
-def mesh_interleaved(cfg, rank, world):
-    """(pp=2, dp=2), four stages, two per rank (Interleaved1F1B, which torch
-    2.14 runs through its schedule runtime: perform_reduce_grad per stage
-    once its backwards have run): torch's run and ours."""
+def mesh_stages(cfg, rank, world):
+    """(pp=2, dp=2), one stage per rank or, cfg["interleaved"], two
+    (Interleaved1F1B, which torch 2.14 runs through its schedule runtime:
+    perform_reduce_grad per stage once its backwards have run): torch's run
+    and ours."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    return {"torch": _train_interleaved(cfg, mesh, False), "ours": _train_interleaved(cfg, mesh, True)}
+    return {"torch": _train_stages(cfg, mesh, False), "ours": _train_stages(cfg, mesh, True)}
 
 
 def _single_stage_two_schedule_steps(cfg, wire_dtype):
@@ -372,8 +345,7 @@ SCENARIOS = {
     "pipeline_only": pipeline_only,
     "mesh_pp_dp": mesh_pp_dp,
     "mesh_against_ddp": mesh_against_ddp,
-    "mesh_interleaved": mesh_interleaved,
-    "mesh_fsdp": mesh_fsdp,
+    "mesh_stages": mesh_stages,
     "refusals": refusals,
 }
 

@@ -34,12 +34,12 @@ CASES_4 = {
     "mesh-against-ddp": dict(
         scenario="mesh_against_ddp", schedule="1f1b", torch_clip=CLIP, schedule_steps=2, scale_grads=False
     ),
-    "mesh-interleaved": dict(scenario="mesh_interleaved", torch_clip=CLIP),
+    "mesh-interleaved": dict(scenario="mesh_stages", interleaved=True, torch_clip=CLIP),
     "mesh-1f1b-hooks-clip": dict(scenario="mesh_pp_dp", schedule="1f1b", intake="hooks", clip=CLIP),
     "mesh-1f1b-zero1-clip": dict(scenario="mesh_pp_dp", schedule="1f1b", intake="hooks", sharded=True, clip=CLIP),
-    "mesh-fsdp": dict(scenario="mesh_fsdp", schedule="1f1b", torch_clip=CLIP),
-    "mesh-interleaved-fsdp": dict(scenario="mesh_interleaved", torch_clip=CLIP, fsdp=True),
-    "mesh-multi-loop": dict(scenario="mesh_interleaved", torch_clip=CLIP, multi_loop=True),
+    "mesh-fsdp": dict(scenario="mesh_stages", schedule="1f1b", fsdp=True, torch_clip=CLIP),
+    "mesh-interleaved-fsdp": dict(scenario="mesh_stages", interleaved=True, fsdp=True, torch_clip=CLIP),
+    "mesh-multi-loop": dict(scenario="mesh_stages", interleaved=True, multi_loop=True, torch_clip=CLIP),
 }
 
 
@@ -120,21 +120,22 @@ def test_a_pp_by_dp_mesh_trains_as_torch(runs, case):
     two stages per rank (.grad averaged over dp by hand: DDP stages fail
     there inside torch), also run by PipelineScheduleMulti's own step loop
     (custom schedules' loop: it calls each stage's scale_grads, not
-    perform_reduce_grad, and the wrapper reduces after it); and stages FSDP2-sharded over dp (torchtitan's PP x
-    FSDP: FSDP2 reduce-scatters when the backwards end, then scale_grads
-    divides .grad, our markers' window sums included; ours clips with
-    max_grad_norm=, by the whole model's norm summed over pp and dp: before,
-    scale_grads was refused and max_grad_norm= clipped each stage by its
-    own norm), one stage per rank (1F1B) and two (Interleaved1F1B, one
-    wrapper over both). The runs' gradients are bitwise alike (W=2: halving
-    is exact), so each window differs by the fused step's operation order,
-    STEP_ULPS ulps of a tensor's largest value per step; the logged norms are
-    of params that differ by that much (1e-5 relative). Refused: the wrapper
-    over a DDP stage (the schedule prepares DDP's reducer itself, which would
-    reduce .grad a second time, in bf16 for bf16 params), and max_grad_norm=
-    on a wrapper over one of a rank's two stages (its norm, summed over pp,
-    would leave out the other's: each stage was clipped by half the model's
-    norm before)."""
+    perform_reduce_grad, and the wrapper reduces after it); and stages
+    FSDP2-sharded over dp (torchtitan's PP x FSDP: FSDP2 reduce-scatters
+    when the backwards end, then scale_grads divides .grad, our markers'
+    window sums included; ours clips with max_grad_norm=, by the whole
+    model's norm summed over pp and dp: before, scale_grads was refused and
+    max_grad_norm= clipped each stage by its own norm), one stage per rank
+    (1F1B) and two (Interleaved1F1B, one wrapper over both). The runs'
+    gradients are bitwise alike (W=2: halving is exact), so each window
+    differs by the fused step's operation order, STEP_ULPS ulps of a
+    tensor's largest value per step; the logged norms are of params that
+    differ by that much (1e-5 relative). Refused: the wrapper over a DDP
+    stage (the schedule prepares DDP's reducer itself, which would reduce
+    .grad a second time, in bf16 for bf16 params), and max_grad_norm= on a
+    wrapper over one of a rank's two stages (its norm, summed over pp, would
+    leave out the other's: each stage was clipped by half the model's norm
+    before)."""
     for result in (r[case] for r in runs[4]):
         ours, reference = result["ours"], result["torch"]
         torch.testing.assert_close(torch.tensor(ours["norms"]), torch.tensor(reference["norms"]), rtol=1e-5, atol=0)
