@@ -1185,7 +1185,13 @@ class GradIntake(Intake):
             if grad is r.buffer and not self.layout.aliased(r):
                 self._reattach(r)
                 continue
-            if grad is r.buffer or (grad is None and not r.param.requires_grad):
+            if grad is r.buffer:
+                continue
+            # A frozen param (requires_grad=False) holds no buffer as .grad; one
+            # dropped after it had a gradient (model.zero_grad() after freezing
+            # it) is forgotten below, but stays None: torch.optim skips it.
+            frozen = grad is None and not r.param.requires_grad
+            if frozen and not self._holds_grad(r.index):
                 continue
             # cleared or assigned after a counted window's step(), before a gradient: see _take
             kept = self._between_micro_steps(r) and r.index not in self.arrivals
@@ -1207,8 +1213,18 @@ class GradIntake(Intake):
                 self.window.grads_since_step = True
                 self._used.discard(r.index)
             self.window.unzeroed.discard(r.index)  # dropped or replaced: cleared, as in plain PyTorch
-            self.set_grad(r, r.buffer)
+            if not frozen or kept:
+                self.set_grad(r, r.buffer)
         self._account_writes()  # (the writes above are the intake's own)
+
+    def _holds_grad(self, index: int) -> bool:
+        """Whether torch.optim's ``.grad`` of param ``index`` would be a tensor
+        here: it had a gradient that no ``.grad = None`` or
+        ``zero_grad(set_to_none=True)`` dropped since."""
+        window = self.window
+        return any(
+            index in s for s in (window.touched, self._used, window.had_grad, window.zero_grads, window.unzeroed)
+        )
 
     def refuse_lost_sums(self) -> None:
         """A counted window (accum_steps=N) whose buffers other code wrote into
@@ -1319,6 +1335,14 @@ class GradIntake(Intake):
                 self.start_micro_step()  # the discarded gradients count as no backward
                 self._sums_overwritten = False
             self._account_writes()
+        if set_to_none:
+            # A param frozen since it had a gradient (requires_grad_(False)) gets
+            # none from autograd: its .grad is None, as torch.optim's, not a
+            # zero buffer that code editing every non-None .grad would write
+            # (unless a counted window goes on with its sum: a harmless clear).
+            for r in self.layout:
+                if r.param.grad is r.buffer and not r.param.requires_grad and r.index not in self.window.touched:
+                    r.param.grad = None
 
     def set_grad(self, r: ParamRecord, grad: torch.Tensor | None) -> None:
         """Set ``.grad`` to a tensor of the param's own dtype (the fallback

@@ -375,6 +375,13 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             self._lay_out(_checked_options(self.optimizer, self._arguments), masters)
             raise
         window.renumber(renumbered)
+        if self._intake.exposes_buffers:
+            # A frozen param whose zero .grad torch.optim still holds (and steps:
+            # zero_grad(set_to_none=False)) has its buffer as .grad again; the
+            # new intake gave one only to the params that require grad.
+            for r in self._layout.records_of(window.had_grad | window.zero_grads):
+                if r.param.grad is None:
+                    self._intake.set_grad(r, r.buffer)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Intake "hooks": harmless after step() (gradients are folded as they
