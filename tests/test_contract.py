@@ -474,6 +474,54 @@ def test_a_param_frozen_mid_run_steps_as_torchs(intake, ops):
         assert (ours[1].grad is None) == (plain[1].grad is None), "the frozen param's .grad is not torch's"
 
 
+def _rebuilt(opt, model, to_torch: bool):
+    """``opt`` closed and a new optimizer built over ``model`` (ours, or
+    torch's AdamW) that loads its state dict, as a run that switches or
+    rebuilds its optimizer in process does."""
+    saved = copy.deepcopy(opt.state_dict())
+    opt.close()
+    new = (
+        torch.optim.AdamW(model.parameters(), **FUSED["AdamW"])
+        if to_torch
+        else ak.AdamW(model.parameters(), **FUSED["AdamW"])
+    )
+    new.load_state_dict(saved)
+    return new
+
+
+@pytest.mark.parametrize("to_torch", [False, True], ids=["to-ours", "to-torch"])
+@pytest.mark.parametrize(
+    "ops",
+    [
+        ["backward", "backward", "rebuild", "step"],
+        ["backward", "step", "zero_grad", "backward", "rebuild", "step"],
+        ["backward", "step", "rebuild", "step"],
+        ["backward", "zero_grad(False)", "step", "zero_grad(False)", "rebuild", "step"],
+        ["backward", "step", "zero_grad", "rebuild", "step"],
+    ],
+    ids=["mid-window", "second-window", "used-again", "kept-zero", "cleared"],
+)
+def test_close_leaves_grad_as_torchs(ops, to_torch):
+    """Intake "grad": close() leaves in each param's .grad what torch.optim's
+    would hold (a copy of its buffer; None where it was cleared), so the
+    optimizer built next (ours, or torch's) steps as one optimizer all along
+    would: a window in progress is not dropped (before, close() set every
+    .grad to None: torch's optimizer built next stepped nothing, silently),
+    and a gradient stepped again without a clear is torch's double step."""
+    runs = []
+    for ours in (True, False):
+        model = _mlp()
+        opt = ak.AdamW(model.parameters(), **FUSED["AdamW"]) if ours else _torch("AdamW")(model.parameters())
+        gen = torch.Generator().manual_seed(3)
+        for op in ops:
+            if op != "rebuild":
+                _apply(op, model, opt, gen, [])
+            elif ours:
+                opt = _rebuilt(opt, model, to_torch)
+        runs.append(list(model.parameters()))
+    _assert_fused_close(*runs, steps=ops.count("step"))
+
+
 def test_grad_after_step_holds_what_torchs_holds():
     """accum_steps=None, intake "grad": step() leaves .grad holding the
     gradient it used, as torch.optim's does, until it is cleared, so a norm
@@ -537,13 +585,21 @@ def test_which_params_step_follows_what_grad_holds_with_hooks(ops):
         (["backward", "model.zero_grad", "backward", "step"], "set to None after its backward"),
         (["backward", "p0 = None", "step"], "param 0's .grad was set to None after its backward"),
         (["backward", "p2 = 0.5", "step"], "param 2's .grad was replaced after its backward"),
+        (["backward", "model.zero_grad", "state_dict"], "set to None after its backward"),
     ],
-    ids=["model.zero_grad between two backwards", ".grad = None before step", ".grad replaced before step"],
+    ids=[
+        "model.zero_grad between two backwards",
+        ".grad = None before step",
+        ".grad replaced before step",
+        "model.zero_grad before state_dict",
+    ],
 )
 def test_hooks_refuse_a_grad_dropped_or_replaced_after_its_backward(ops, names):
     """Intake "hooks" folds each gradient as it arrives: a .grad dropped or
     replaced before step() (torch would discard that gradient) is refused at
-    the next gradient or at step(), with the Python hooks too."""
+    the next gradient or at step(), with the Python hooks too, and at
+    state_dict() (which saved the window's sums, gradients torch dropped, for
+    an optimizer resumed from it to step on)."""
     model = _mlp()
     opt = ak.AdamW(model.parameters(), **FUSED["AdamW"], intake="hooks")
     before = [p.detach().clone() for p in model.parameters()]
@@ -557,6 +613,8 @@ def test_hooks_refuse_a_grad_dropped_or_replaced_after_its_backward(ops, names):
                 model[0].weight.grad = None
             elif op == "p2 = 0.5":
                 model[2].weight.grad = torch.full_like(model[2].weight, 0.5)
+            elif op == "state_dict":
+                opt.state_dict()
             else:
                 opt.step()
     assert all(map(torch.equal, model.parameters(), before))

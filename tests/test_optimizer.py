@@ -899,17 +899,24 @@ def test_close_gives_bf16_params_their_grad_dtype_back_with_an_assigned_grad():
     """intake "grad" makes a bf16 param's grad_dtype fp32, so a gradient
     assigned by hand is fp32; close() gives the grad_dtype back, and such a
     .grad is converted to it (torch refuses the change while an fp32 .grad is
-    held, which failed here), while the buffer itself leaves .grad."""
+    held, which failed here), while the buffer itself leaves .grad: a copy of
+    what it held (the backward's gradient) stays there, in bf16, as torch's
+    .grad would hold it; a cleared one leaves None."""
     model = mlp(dtype=torch.bfloat16)
     first, head = model[0].weight, model[3].weight
     before = first.grad_dtype
     opt = ak.AdamW(model.parameters(), lr=1e-2)
     model(torch.randn(4, 12).bfloat16()).float().sum().backward()
     first.grad = torch.full(first.shape, 0.3)
+    held = head.grad.clone()
     opt.close()
     assert first.grad_dtype == before and head.grad_dtype == before
     assert first.grad.dtype == torch.bfloat16 and torch.equal(first.grad, torch.full_like(first, 0.3))
-    assert head.grad is None
+    assert head.grad.dtype == torch.bfloat16 and torch.equal(head.grad, held.bfloat16())
+    opt = ak.AdamW(model.parameters(), lr=1e-2)
+    opt.zero_grad()
+    opt.close()
+    assert head.grad is None and first.grad is None
     ak.AdamW(model.parameters(), lr=1e-2).close()  # the params are free again
 
 

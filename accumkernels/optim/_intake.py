@@ -302,7 +302,8 @@ class Intake:
         index): (0, -1) when none got more than one."""
         return self.repeated
 
-    def close(self) -> None:
+    def close(self, keep_grads: bool = False) -> None:
+        """Hooks, markers and claims given back (``keep_grads``: GradIntake's)."""
         _remove(self._handles, self._markers)
         self._handles.clear()
         for r in self.layout:
@@ -1180,6 +1181,11 @@ class GradIntake(Intake):
         """Take what was written into the buffers in place (_take_written), then
         re-attach every view whose ``.grad`` was dropped or replaced since."""
         self._take_written()
+        # A param that got a gradient in this micro-step and whose .grad is gone
+        # was cleared between a backward and step() (model.zero_grad()): as in
+        # torch, every .grad that clear dropped is dropped, those of params
+        # without a gradient in this micro-step (frozen, unused) too.
+        after_backward = any(self.layout.records[i].param.grad is None for i in self.arrivals)
         for r in self.layout:
             grad = r.param.grad
             if grad is r.buffer and not self.layout.aliased(r):
@@ -1194,7 +1200,7 @@ class GradIntake(Intake):
             if frozen and not self._holds_grad(r.index):
                 continue
             # cleared or assigned after a counted window's step(), before a gradient: see _take
-            kept = self._between_micro_steps(r) and r.index not in self.arrivals
+            kept = self._between_micro_steps(r) and r.index not in self.arrivals and not after_backward
             if grad is None and kept:
                 pass  # harmless
             elif grad is None:
@@ -1390,17 +1396,22 @@ class GradIntake(Intake):
         if own:
             self._account_writes()
 
-    def close(self) -> None:
+    def close(self, keep_grads: bool = False) -> None:
         """The buffers leave ``.grad``; a 16-bit param gets its own grad_dtype
         back, and a gradient assigned to its ``.grad`` by hand (fp32: the
         grad_dtype this intake gave it) is converted to that dtype, which
-        torch requires of it from then on."""
+        torch requires of it from then on. With ``keep_grads`` (the wrapper's
+        close()), a param whose ``.grad`` torch.optim would hold as a tensor
+        keeps a copy of its buffer there (the gradient the user saw, converted
+        alike), as after torch.optim's optimizer is dropped; the others get None."""
+        if keep_grads:
+            self.flush()  # (what was written into .grad or assigned since counts)
         super().close()
         if self.sync.reduces_buffers:
             self.sync.reduce_window = None  # a pipeline stage's schedule calls this intake no more
         for r in self.layout:
             if r.param.grad is r.buffer:
-                r.param.grad = None
+                r.param.grad = r.buffer.clone() if keep_grads and self._holds_grad(r.index) else None
             if r.index in self._grad_dtypes:
                 grad, r.param.grad = r.param.grad, None
                 dtype = r.param.grad_dtype = self._grad_dtypes[r.index]

@@ -503,8 +503,13 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         return norm
 
     def close(self) -> None:
-        """Release the params (hooks, ``.grad`` views), so another wrapper may take them."""
-        self._intake.close()
+        """Release the params (hooks, ``.grad`` views), so another wrapper may
+        take them. Intake "grad": each param's ``.grad`` keeps what it held (a
+        copy of its buffer, in the param's gradient dtype), so an optimizer built
+        next steps on it as torch.optim's would; intake "hooks": ``.grad`` is
+        None (its markers held no values: a window in progress goes on through
+        ``state_dict()``)."""
+        self._intake.close(keep_grads=True)
 
     # ---- state dict --------------------------------------------------------
 
@@ -519,6 +524,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._refuse_saving("state_dict()", dcp)
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
+        # A window whose gradients .grad = None dropped after backward is refused
+        # here as at step() (intake "hooks"), not saved with the sums torch dropped.
+        self._intake.check_grads()
         self._intake.flush()
         if dcp and not self.optimizer.state:
             # DCP creates a plain optimizer's state before it saves or loads
