@@ -522,6 +522,43 @@ def test_close_leaves_grad_as_torchs(ops, to_torch):
     _assert_fused_close(*runs, steps=ops.count("step"))
 
 
+@pytest.mark.parametrize("intake", ["grad", "hooks"])
+@pytest.mark.parametrize("clear", ["model.zero_grad", "p0 = None"])
+def test_a_clear_after_resuming_mid_window_is_torchs(intake, clear):
+    """A counted window (accum_steps=3) saved after a backward, resumed into a
+    new optimizer, then ``.grad`` dropped before the step(): torch's loop drops
+    those sums, and so does intake "grad" (the checkpoint keeps no per-param
+    arrivals: before, the clear was taken for a harmless one after a step()
+    and the window kept them, 1e-2 off torch's); intake "hooks" refuses it,
+    as without the resume (its markers are back on the params)."""
+    micro = 3
+    model, plain_model = _mlp(), _mlp()
+    opt = ak.AdamW(model.parameters(), **FUSED["AdamW"], accum_steps=micro, intake=intake)
+    plain_opt = torch.optim.AdamW(plain_model.parameters(), **FUSED["AdamW"])
+    gens = [torch.Generator().manual_seed(3) for _ in range(2)]
+    _apply("backward", model, opt, gens[0], [])
+    _apply("step", model, opt, gens[0], [])
+    _apply("backward", model, opt, gens[0], [])
+    saved = copy.deepcopy(opt.state_dict())
+    opt.close()
+    opt = ak.AdamW(model.parameters(), **FUSED["AdamW"], accum_steps=micro, intake=intake)
+    opt.load_state_dict(saved)
+    _apply(clear, model, opt, gens[0], [])
+    if intake == "hooks":
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(RuntimeError, match="set to None after its backward"):
+            opt.step()
+        assert all(map(torch.equal, model.parameters(), before))
+        return
+    for _ in range(micro - 1):
+        opt.step()
+    for _ in range(2):
+        (plain_model(torch.randn(4, 5, generator=gens[1])).pow(2).mean() / micro).backward()
+    _apply(clear, plain_model, plain_opt, gens[1], [])
+    plain_opt.step()
+    _assert_fused_close(list(model.parameters()), list(plain_model.parameters()), steps=1)
+
+
 def test_grad_after_step_holds_what_torchs_holds():
     """accum_steps=None, intake "grad": step() leaves .grad holding the
     gradient it used, as torch.optim's does, until it is cleared, so a norm

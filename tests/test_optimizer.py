@@ -920,6 +920,38 @@ def test_close_gives_bf16_params_their_grad_dtype_back_with_an_assigned_grad():
     ak.AdamW(model.parameters(), lr=1e-2).close()  # the params are free again
 
 
+@pytest.mark.parametrize("intake", ["grad", "hooks"])
+def test_a_closed_optimizer_refuses_what_would_use_the_params(intake):
+    """After close() the params are free: step() took no gradient, silently
+    (intake "hooks": nothing moved), or took .grad back as its buffer (intake
+    "grad"); now it, zero_grad(), load_state_dict(), clip_grad_norm_() and
+    accumulated_grad() are refused by name, while state_dict() saves the
+    window as close() left it, touching no .grad (before, the "hooks" path put
+    the closed wrapper's marker back there)."""
+    model, (x, y) = mlp(), data(8)
+    opt = ak.AdamW(model.parameters(), lr=1e-2, accum_steps=2, intake=intake)
+    F.mse_loss(model(x), y).backward()
+    saved = opt.state_dict()
+    opt.close()
+    F.mse_loss(model(x), y).backward()
+    grads = [p.grad for p in model.parameters()]
+    before = [p.detach().clone() for p in model.parameters()]
+    for call in (
+        opt.step,
+        opt.zero_grad,
+        lambda: opt.load_state_dict(saved),
+        lambda: opt.clip_grad_norm_(1.0),
+        lambda: opt.accumulated_grad(model[0].weight),
+    ):
+        with pytest.raises(RuntimeError, match="closed"):
+            call()
+    again = opt.state_dict()
+    assert torch.equal(again["accumkernels"]["flat_buffer"], saved["accumkernels"]["flat_buffer"])
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+    assert all(map(torch.equal, model.parameters(), before))
+    opt.close()  # twice: nothing more
+
+
 def test_bf16_params_holding_a_gradient_when_built_or_added():
     """A gradient a bf16 param holds before the optimizer takes it (a backward
     before it is built; backwards while it trained outside the optimizer,

@@ -910,10 +910,22 @@ class HookIntake(Intake):
         return self.layout.flat_of({i: self.window_sum(self.layout.records[i]) for i in self.window.touched})
 
     def restore_sums(self, sums: torch.Tensor) -> None:
+        """As Intake's; each param with a sum holds its marker again, as when
+        the checkpoint was saved, and, saved after a backward (before its
+        step()), counts as having its gradient of this micro-step: a ``.grad``
+        dropped before that step() is refused as without the resume (torch
+        would drop the sum; the checkpoint keeps no per-param arrivals, so a
+        param whose last gradient came in an earlier micro-step counts too)."""
         if self.lean:  # a window with sums: held in the flat buffer
             self.layout.allocate()
             self._held_unscale = 1.0
         super().restore_sums(sums)
+        for i in self.window.touched:
+            param, marker = self._markers.get(i, (None, None))
+            if marker is not None and param.grad is None:
+                param.grad = marker
+            if self.window.grads_since_step:
+                self.arrivals.setdefault(i, 1)
 
     def after_step(self) -> None:
         """The inbox forgets which markers it put back (a clear counts for the
@@ -1181,11 +1193,12 @@ class GradIntake(Intake):
         """Take what was written into the buffers in place (_take_written), then
         re-attach every view whose ``.grad`` was dropped or replaced since."""
         self._take_written()
-        # A param that got a gradient in this micro-step and whose .grad is gone
-        # was cleared between a backward and step() (model.zero_grad()): as in
-        # torch, every .grad that clear dropped is dropped, those of params
-        # without a gradient in this micro-step (frozen, unused) too.
-        after_backward = any(self.layout.records[i].param.grad is None for i in self.arrivals)
+        # A .grad found gone after a gradient arrived since the last step() was
+        # cleared between a backward and step() (model.zero_grad()): as in torch,
+        # every sum that clear dropped is dropped, those of params without a
+        # gradient in this micro-step (frozen, unused) too, and after a resume
+        # from a checkpoint saved there (which keeps no per-param arrivals).
+        after_backward = self.window.grads_since_step
         for r in self.layout:
             grad = r.param.grad
             if grad is r.buffer and not self.layout.aliased(r):

@@ -200,6 +200,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._window = Window(normalize, self.device, run_seed(seed, self.device, self.process_group, self.world_size))
         self._loss_scale = LossScale(grad_scaler, self.device)
         self._caller_checked = False  # whether the first step() call looked for a framework calling it
+        self._closed = False  # close() gave the params back
         self._lay_out(o)
 
     def _lay_out(self, o, masters: dict[int, torch.Tensor] | None = None) -> None:
@@ -342,6 +343,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         at construction), in all-reduce mode (not with sharded=True or FSDP2,
         whose state lies in shards of the layout). Refused, and the groups checked
         as at construction, before anything is changed."""
+        self._refuse_closed(what)
         if self.sharded or self._fsdp:
             raise RuntimeError(
                 f"{what} on {type(self).__name__} with sharded=True (ZeRO-1) or on FSDP2 params is not supported: "
@@ -391,6 +393,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         ``set_to_none=False`` has torch.optim's meaning in both: the params that
         had a gradient keep a zero one, and the following windows step them
         (momentum and weight decay go on) until ``zero_grad()`` sets it to None."""
+        self._refuse_closed("zero_grad()")
         self._intake.before_zero_grad()  # (takes in what was put into .grad since, or refuses)
         self._window.zero_grad(set_to_none)
         self._intake.zero_grad(set_to_none)
@@ -410,6 +413,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 tokens) this micro-batch's sum-reduced loss covers; a number or a
                 1-element tensor on the params' device.
         """
+        self._refuse_closed("step()")
         # DCP steps an optimizer only to create its state, so only while it has none.
         if not self.optimizer.state and _checkpoint.dcp_initializing_state():
             self._updater.init_state(self._intake)
@@ -475,6 +479,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         r = self._layout.record(param)
         if r is None:
             raise ValueError("param is not one of the wrapped optimizer's params")
+        self._refuse_closed("accumulated_grad()")
         self._refuse_during_reduction("accumulated_grad()")
         self._intake.flush()
         if r.index not in self._window.touched:
@@ -489,6 +494,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         clipped now, with "hooks" by the next window step. Across ranks only
         once the window is reduced (intake "grad", after its last backward);
         else pass ``max_grad_norm=``."""
+        self._refuse_closed("clip_grad_norm_()")
         if not max_norm > 0:
             raise ValueError(f"max_norm must be > 0; got {max_norm!r}")
         if not self._sync.reduced:
@@ -508,8 +514,18 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         copy of its buffer, in the param's gradient dtype), so an optimizer built
         next steps on it as torch.optim's would; intake "hooks": ``.grad`` is
         None (its markers held no values: a window in progress goes on through
-        ``state_dict()``)."""
-        self._intake.close(keep_grads=True)
+        ``state_dict()``). A closed wrapper saves its state (``state_dict()``)
+        and refuses what would use the params."""
+        if not self._closed:
+            self._intake.close(keep_grads=True)
+            self._closed = True
+
+    def _refuse_closed(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(
+                f"{what} on an AccumulatingOptimizer that was closed (opt.close()): it no longer holds its params, "
+                "so it would take no gradient. Build a new optimizer over them (loading this one's state_dict())"
+            )
 
     # ---- state dict --------------------------------------------------------
 
@@ -526,8 +542,10 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             pre_hook(self)
         # A window whose gradients .grad = None dropped after backward is refused
         # here as at step() (intake "hooks"), not saved with the sums torch dropped.
-        self._intake.check_grads()
-        self._intake.flush()
+        # (Closed: the window as close() left it; the params are no longer looked at.)
+        if not self._closed:
+            self._intake.check_grads()
+            self._intake.flush()
         if dcp and not self.optimizer.state:
             # DCP creates a plain optimizer's state before it saves or loads
             # (its template must hold the keys it loads), but only where every
@@ -570,6 +588,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         every rank loads its own, with the same world size. As torch.optim: the
         pre-hooks get a shallow copy (a non-None return replaces it), the
         post-hooks run once it is loaded."""
+        self._refuse_closed("load_state_dict()")
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
@@ -596,7 +615,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         # The window's entry without the state-dict hooks registered on this
         # wrapper: a copy runs none and keeps none, as torch.optim's.
         self._refuse_saving("copying", _checkpoint.dcp_saving())
-        self._intake.flush()
+        if not self._closed:
+            self._intake.flush()
         return {"optimizer": self.optimizer, "arguments": self._arguments, "window": self._window_entry()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
