@@ -559,15 +559,41 @@ def test_a_clear_after_resuming_mid_window_is_torchs(intake, clear):
     _assert_fused_close(list(model.parameters()), list(plain_model.parameters()), steps=1)
 
 
+@pytest.mark.parametrize("backward", [False, True], ids=["no-gradient", "gradient"])
+def test_a_param_frozen_when_built_and_unfrozen_steps_as_torchs(backward):
+    """Intake "grad": a param frozen when the optimizer is built has no hook
+    and no buffer as .grad; unfrozen, a state-dict reload gives it its buffer.
+    A gradient autograd adds into that buffer (no hook fired) is its gradient;
+    without one it is not stepped (before, the step took the zero buffer for a
+    gradient: AdamW's weight decay moved it 4e-4 off torch's)."""
+    runs = []
+    for ours in (True, False):
+        model = _mlp()
+        params = list(model.parameters())
+        params[1].requires_grad_(False)
+        opt = ak.AdamW(params, **FUSED["AdamW"], intake="grad") if ours else _torch("AdamW")(params)
+        params[1].requires_grad_(True)
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        if backward:
+            model(torch.randn(4, 5, generator=torch.Generator().manual_seed(3))).pow(2).mean().backward()
+        opt.step()
+        runs.append(params)
+    _assert_fused_close(*runs, steps=1)
+
+
 def test_grad_after_step_holds_what_torchs_holds():
     """accum_steps=None, intake "grad": step() leaves .grad holding the
     gradient it used, as torch.optim's does, until it is cleared, so a norm
     logged (or clipped) after step() is torch's, not 0; a zero_grad() clears
-    it, in place too."""
+    it, in place too. A state dict saved after a gradient assigned to another
+    param and loaded leaves it there too (before, the load zeroed every buffer
+    the checkpoint held no window sum for: a norm logged after it was 2.000
+    where torch's was 2.029)."""
     norms = _step_pair("grad", ["backward", "step", "norm", "zero_grad", "norm", "backward", "step", "norm"])
     assert norms[0] > 0 and norms[1] == 0 and norms[2] > 0
     _step_pair("grad", ["backward", "step", "zero_grad(False)", "norm", "backward", "backward", "step", "norm"])
     _step_pair("grad", ["backward", "step", "model.zero_grad", "norm", "backward", "step", "norm", "zero_grad"])
+    _step_pair("grad", ["backward", "step", "p2 = 0.5", "reload", "norm", "zero_grad", "backward", "step"], "SGD")
 
 
 @pytest.mark.parametrize(

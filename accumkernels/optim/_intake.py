@@ -424,10 +424,21 @@ class Intake:
     def restore_sums(self, sums: torch.Tensor) -> None:
         """A mid-window checkpoint's flat buffer, after the window's own state
         (``touched``) is loaded."""
+        self._write_sums(sums)
+        # Saved after a backward (before its step()): each param with a sum
+        # counts as having its gradient of this micro-step, so that a .grad
+        # dropped or replaced before that step() is torch's drop, as without the
+        # resume (the checkpoint keeps no per-param arrivals: a param whose last
+        # gradient came in an earlier micro-step counts too).
+        if self.window.grads_since_step:
+            for i in self.window.touched:
+                self.arrivals.setdefault(i, 1)
+
+    def _write_sums(self, sums: torch.Tensor) -> None:
+        """The checkpoint's sums into the buffers. Intake "hooks" overwrites a
+        buffer at a param's first gradient of a window, so a checkpoint it
+        saved may hold old sums where the window has none: zeros there."""
         self.layout.flat.copy_(sums)
-        # Intake "hooks" overwrites a buffer at a param's first gradient of a
-        # window, so a checkpoint it saved may hold old sums where the window
-        # has none; intake "grad" shows every buffer as .grad and adds into it.
         self.layout.zero_views(r for r in self.layout if r.index not in self.window.touched)
 
     def uncleared(self, indices: set[int]) -> set[int]:
@@ -911,11 +922,8 @@ class HookIntake(Intake):
 
     def restore_sums(self, sums: torch.Tensor) -> None:
         """As Intake's; each param with a sum holds its marker again, as when
-        the checkpoint was saved, and, saved after a backward (before its
-        step()), counts as having its gradient of this micro-step: a ``.grad``
-        dropped before that step() is refused as without the resume (torch
-        would drop the sum; the checkpoint keeps no per-param arrivals, so a
-        param whose last gradient came in an earlier micro-step counts too)."""
+        the checkpoint was saved: a ``.grad`` dropped after the resume is seen
+        (and, after a backward, refused as without it)."""
         if self.lean:  # a window with sums: held in the flat buffer
             self.layout.allocate()
             self._held_unscale = 1.0
@@ -924,8 +932,6 @@ class HookIntake(Intake):
             param, marker = self._markers.get(i, (None, None))
             if marker is not None and param.grad is None:
                 param.grad = marker
-            if self.window.grads_since_step:
-                self.arrivals.setdefault(i, 1)
 
     def after_step(self) -> None:
         """The inbox forgets which markers it put back (a clear counts for the
@@ -1184,7 +1190,13 @@ class GradIntake(Intake):
             self._reduce()
 
     def _take_late(self, r: ParamRecord) -> None:
-        self._on_grad(r.index, r.param)
+        """A param hooked only now (unfrozen since) holding a gradient: one
+        autograd made (``.grad`` was None) is taken as if its hook had fired;
+        one autograd added into its buffer (``.grad``) is a write _take_written
+        finds by its values (a zero buffer there is no gradient: the param was
+        unfrozen after a clear gave it its buffer back)."""
+        if r.param.grad is not r.buffer:
+            self._on_grad(r.index, r.param)
 
     def check_grads(self) -> None:
         """At step(): ``.grad`` dropped or replaced since backward is handled by flush()."""
@@ -1238,12 +1250,15 @@ class GradIntake(Intake):
 
     def _holds_grad(self, index: int) -> bool:
         """Whether torch.optim's ``.grad`` of param ``index`` would be a tensor
-        here: it had a gradient that no ``.grad = None`` or
-        ``zero_grad(set_to_none=True)`` dropped since."""
+        here: a sum in the window, a zero one kept by
+        ``zero_grad(set_to_none=False)``, and with accum_steps=None, where
+        step() is torch.optim's, any gradient that no ``.grad = None`` or
+        ``zero_grad(set_to_none=True)`` dropped since (torch's loop for a
+        counted window clears after the step() that ends it)."""
         window = self.window
-        return any(
-            index in s for s in (window.touched, self._used, window.had_grad, window.zero_grads, window.unzeroed)
-        )
+        if index in window.touched or index in window.zero_grads:
+            return True
+        return self.accum_steps is None and any(index in s for s in (self._used, window.had_grad, window.unzeroed))
 
     def refuse_lost_sums(self) -> None:
         """A counted window (accum_steps=N) whose buffers other code wrote into
@@ -1327,9 +1342,20 @@ class GradIntake(Intake):
 
     def restore_sums(self, sums: torch.Tensor) -> None:
         super().restore_sums(sums)
-        self._used.clear()  # (every buffer was written, by the intake itself)
+        self._used -= self.window.touched  # (their buffers were written, by the intake itself)
         self._sums_overwritten = False
         self._account_writes()
+
+    def _write_sums(self, sums: torch.Tensor) -> None:
+        """The checkpoint's sums go into the buffers of the params it holds sums
+        for, and the others are zeros, but for a ``.grad`` holding the gradient
+        the last step() used (accum_steps=None), which is left as it was, as
+        torch.optim's load leaves ``.grad``."""
+        for r in self.layout:
+            if r.index in self.window.touched:
+                r.buffer.copy_(self.layout.view(r, sums))
+            elif r.index not in self._used:
+                r.buffer.zero_()
 
     def before_zero_grad(self) -> None:
         """What other code put into ``.grad`` since (written in place,
