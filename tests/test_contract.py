@@ -263,7 +263,11 @@ def _apply(op, model, opt, gen, norms):
     schedule's scale_grads does), "freeze p1" and "unfreeze p1"
     (``requires_grad_`` of the first bias), "reload" (load_state_dict of its
     state_dict), "lr" (set by hand), "norm" (clip_grad_norm_ of the grads,
-    logged in ``norms``)."""
+    logged in ``norms``); on one process also ONE_PROCESS_OPS: "clip 0.05"
+    (a clip that clips, its norm logged), "closure step", "backward p0" (into
+    the first weight only), "state reset p2", "wd 0", and "rebuild" (the
+    optimizer closed and a new one built over the params, loading its state
+    dict: returned, where every other call returns None)."""
     params = list(model.parameters())
     if op.startswith("backward"):
         loss = model(torch.randn(4, 5, generator=gen)).pow(2).mean()
@@ -289,6 +293,32 @@ def _apply(op, model, opt, gen, norms):
                 p.grad.div_(4)
     elif op in ("freeze p1", "unfreeze p1"):
         params[1].requires_grad_(op == "unfreeze p1")
+    elif op == "clip 0.05":
+        norms.append(torch.nn.utils.clip_grad_norm_(params, 0.05).item())
+    elif op == "closure step":
+
+        def closure():
+            opt.zero_grad()
+            loss = model(torch.randn(4, 5, generator=gen)).pow(2).mean()
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+    elif op == "backward p0":
+        model(torch.randn(4, 5, generator=gen)).pow(2).mean().backward(inputs=[params[0]])
+    elif op == "state reset p2":
+        opt.state[params[2]] = {}
+    elif op == "wd 0":
+        opt.param_groups[0]["weight_decay"] = 0.0
+    elif op == "rebuild":
+        saved, name = copy.deepcopy(opt.state_dict()), type(opt).__name__
+        if isinstance(opt, ak.AccumulatingOptimizer):
+            opt.close()
+            opt = getattr(ak, name)(params, **FUSED[name], intake=opt.intake)
+        else:
+            opt = getattr(torch.optim, name)(params, **FUSED[name])
+        opt.load_state_dict(saved)
+        return opt
     elif op == "reload":
         opt.load_state_dict(copy.deepcopy(opt.state_dict()))
     elif op == "lr":
@@ -348,11 +378,15 @@ def test_random_torch_optim_loops_train_as_torch_or_are_refused(intake):
     and torch.optim, AdamW or SGD with momentum: ours ends within
     _assert_fused_close's bound of torch and logs the same norms (to 1e-6),
     or refuses a call with a RuntimeError before it changed a param. (Found
-    the five silent differences 405e4d1 closed.)"""
+    the five silent differences 405e4d1 closed; with ONE_PROCESS_OPS and the
+    freeze calls, those of 1b7e4d8 to this test's commit: frozen params,
+    close(), reloads.)"""
     rng = random.Random(torch.initial_seed())
     refused = 0
+    # (intake "hooks" rebuilt gives .grad None: its markers held no values, docs/optimizers.md)
+    calls = FUZZ_OPS + ONE_PROCESS_OPS + (["rebuild"] if intake == "grad" else [])
     for _ in range(40):
-        ops = [rng.choice(FUZZ_OPS) for _ in range(rng.randint(3, 12))] + ["step"]
+        ops = [rng.choice(calls) for _ in range(rng.randint(3, 12))] + ["step"]
         name = rng.choice(list(FUSED))
         model, plain_model = _mlp(), _mlp()
         opt, plain_opt = (
@@ -363,20 +397,23 @@ def test_random_torch_optim_loops_train_as_torch_or_are_refused(intake):
         for k, op in enumerate(ops):
             before = [p.detach().clone() for p in model.parameters()]
             try:
-                _apply(op, model, opt, gens[0], norms)
+                opt = _apply(op, model, opt, gens[0], norms) or opt
             except RuntimeError:
                 assert all(map(torch.equal, model.parameters(), before)), f"{ops[: k + 1]}: refused after a change"
                 refused += 1
                 break
-            _apply(op, plain_model, plain_opt, gens[1], plain_norms)
+            plain_opt = _apply(op, plain_model, plain_opt, gens[1], plain_norms) or plain_opt
         else:
+            steps = sum("step" in op for op in ops)
             try:
-                _assert_pair(
-                    list(model.parameters()), norms, list(plain_model.parameters()), plain_norms, ops.count("step")
-                )
+                _assert_pair(list(model.parameters()), norms, list(plain_model.parameters()), plain_norms, steps)
             except AssertionError as e:
                 raise AssertionError(f"{name} {ops}: {e}") from None
     assert refused < 40, "every loop was refused: the test compares nothing"
+
+
+# The calls of the one-process loops beside FUZZ_OPS (FSDP2's keep to those).
+ONE_PROCESS_OPS = ["clip 0.05", "closure step", "backward p0", "state reset p2", "wd 0"]
 
 
 # The calls of the random counted-window loops below (zero_grad(set_to_none=False)

@@ -308,6 +308,7 @@ def load(wrapper, state_dict: dict) -> None:
     if extra is not None and extra["flat_buffer"] is not None:
         # Saved mid-window (state_dict() keeps sums only there): the window in
         # progress becomes the checkpoint's, its sums included.
+        wrapper._intake.before_restore()
         wrapper._window.clear()
         wrapper._window.load_state_dict(extra)
         wrapper._intake.restore_sums(extra["flat_buffer"])

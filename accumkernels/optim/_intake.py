@@ -421,6 +421,10 @@ class Intake:
         """The window's sums as a checkpoint keeps them: a copy of the flat buffer."""
         return self.layout.flat.clone()
 
+    def before_restore(self) -> None:
+        """A mid-window checkpoint is about to replace the window (GradIntake
+        notes which ``.grad`` holds a gradient now)."""
+
     def restore_sums(self, sums: torch.Tensor) -> None:
         """A mid-window checkpoint's flat buffer, after the window's own state
         (``touched``) is loaded."""
@@ -1031,6 +1035,7 @@ class GradIntake(Intake):
         # params in _used), as torch.optim's .grad does, until a clear.
         self.zero_buffers_at_step = self.accum_steps is not None
         self._used: set[int] = set()
+        self._held_before_load: set[int] = set()  # (before_restore: until the load's restore_sums)
         low = [r for r in self.layout if r.param.dtype != torch.float32]
         if low and not hasattr(low[0].param, "grad_dtype"):
             raise RuntimeError(
@@ -1151,6 +1156,7 @@ class GradIntake(Intake):
             self._check_shape(r, grad)
             if self._between_micro_steps(r):
                 r.buffer.add_(grad)
+                self._keep_cleared_sums()
             else:
                 _copy_into(r.buffer, grad)
             r.param.grad = r.buffer
@@ -1162,6 +1168,17 @@ class GradIntake(Intake):
         version = self.layout.flat._version
         self._unseen_write |= version > self._seen_version + 1
         self._seen_version = version
+
+    def _keep_cleared_sums(self) -> None:
+        """A clear after a counted window's step() (``model.zero_grad()``), seen
+        at this micro-step's first gradient, was harmless: every param it
+        dropped that holds a sum and got no gradient yet has its buffer as
+        ``.grad`` again (frozen or unused ones too), so that a clear after this
+        backward is told apart from it (flush()). Once per such backward: the
+        params swept here take their gradients into their buffers in place."""
+        for r in self.layout:
+            if r.param.grad is None and r.index in self.window.touched and r.index not in self.arrivals:
+                self.set_grad(r, r.buffer)
 
     def _reattach(self, r: ParamRecord) -> None:
         """``r.buffer`` (still ``.grad``) was moved out of the flat buffer: its
@@ -1205,12 +1222,12 @@ class GradIntake(Intake):
         """Take what was written into the buffers in place (_take_written), then
         re-attach every view whose ``.grad`` was dropped or replaced since."""
         self._take_written()
-        # A .grad found gone after a gradient arrived since the last step() was
-        # cleared between a backward and step() (model.zero_grad()): as in torch,
-        # every sum that clear dropped is dropped, those of params without a
-        # gradient in this micro-step (frozen, unused) too, and after a resume
-        # from a checkpoint saved there (which keeps no per-param arrivals).
-        after_backward = self.window.grads_since_step
+        # A param that got a gradient in this micro-step and whose .grad is gone
+        # was cleared between a backward and step() (model.zero_grad()): as in
+        # torch, every sum that clear dropped is dropped, those of params
+        # without a gradient in this micro-step (frozen, unused) too. (A clear
+        # before the backward leaves those params a new .grad from autograd.)
+        after_backward = any(self.layout.records[i].param.grad is None for i in self.arrivals)
         for r in self.layout:
             grad = r.param.grad
             if grad is r.buffer and not self.layout.aliased(r):
@@ -1341,20 +1358,31 @@ class GradIntake(Intake):
         self._account_writes()
 
     def restore_sums(self, sums: torch.Tensor) -> None:
+        self._used -= self.window.touched  # (their buffers are written, by the intake itself)
         super().restore_sums(sums)
-        self._used -= self.window.touched  # (their buffers were written, by the intake itself)
         self._sums_overwritten = False
         self._account_writes()
 
+    def before_restore(self) -> None:
+        self.flush()
+        self._held_before_load = (self.window.touched | self._used) if self.accum_steps is None else set()
+
     def _write_sums(self, sums: torch.Tensor) -> None:
         """The checkpoint's sums go into the buffers of the params it holds sums
-        for, and the others are zeros, but for a ``.grad`` holding the gradient
-        the last step() used (accum_steps=None), which is left as it was, as
-        torch.optim's load leaves ``.grad``."""
+        for, and the others are zeros, but where step() is torch.optim's
+        (accum_steps=None) a ``.grad`` that held a gradient before the load (the
+        one the last step() used, or one taken when the optimizer was built
+        over params holding gradients: a rebuilt optimizer) is left as it was,
+        as torch.optim's load leaves ``.grad``, as a gradient already used: a
+        step() with it uncleared is refused, as before the load."""
+        held, self._held_before_load = self._held_before_load, set()
         for r in self.layout:
             if r.index in self.window.touched:
                 r.buffer.copy_(self.layout.view(r, sums))
-            elif r.index not in self._used:
+            elif r.index in held:
+                self._used.add(r.index)
+                self.window.unzeroed.add(r.index)
+            else:
                 r.buffer.zero_()
 
     def before_zero_grad(self) -> None:
