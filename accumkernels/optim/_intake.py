@@ -1413,8 +1413,8 @@ class GradIntake(Intake):
             # none from autograd: its .grad is None, as torch.optim's, not a
             # zero buffer that code editing every non-None .grad would write
             # (unless a counted window goes on with its sum: a harmless clear).
-            for r in self.layout:
-                if r.param.grad is r.buffer and not r.param.requires_grad and r.index not in self.window.touched:
+            for r in [r for r in self.layout.records if not r.param.requires_grad]:
+                if r.param.grad is r.buffer and r.index not in self.window.touched:
                     r.param.grad = None
 
     def set_grad(self, r: ParamRecord, grad: torch.Tensor | None) -> None:
