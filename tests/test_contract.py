@@ -265,11 +265,13 @@ def _apply(op, model, opt, gen, norms):
     state_dict), "lr" (set by hand), "norm" (clip_grad_norm_ of the grads,
     logged in ``norms``); on one process also ONE_PROCESS_OPS: "clip 0.05"
     (a clip that clips, its norm logged), "closure step", "backward p0" (into
-    the first weight only), "state reset p2", "wd 0", and "rebuild" (the
+    the first weight only), "fill None" (a zero .grad where it is None, as
+    before an all-reduce of every param), "noise" (added into each .grad
+    that is not None), "state reset p2", "wd 0", and "rebuild" (the
     optimizer closed and a new one built over the params, loading its state
     dict: returned, where every other call returns None)."""
     params = list(model.parameters())
-    if op.startswith("backward"):
+    if op in ("backward", "backward x2"):
         loss = model(torch.randn(4, 5, generator=gen)).pow(2).mean()
         if op == "backward x2":
             loss.backward(retain_graph=True)
@@ -306,6 +308,14 @@ def _apply(op, model, opt, gen, norms):
         opt.step(closure)
     elif op == "backward p0":
         model(torch.randn(4, 5, generator=gen)).pow(2).mean().backward(inputs=[params[0]])
+    elif op == "fill None":  # (torch.optim steps a zero gradient: momentum, weight decay)
+        for p in params:
+            if p.grad is None and p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    elif op == "noise":
+        for p in params:
+            if p.grad is not None:
+                p.grad.add_(1e-2)
     elif op == "state reset p2":
         opt.state[params[2]] = {}
     elif op == "wd 0":
@@ -377,10 +387,12 @@ def test_random_torch_optim_loops_train_as_torch_or_are_refused(intake):
     a torch.optim user makes (FUZZ_OPS), each under ours (accum_steps=None)
     and torch.optim, AdamW or SGD with momentum: ours ends within
     _assert_fused_close's bound of torch and logs the same norms (to 1e-6),
-    or refuses a call with a RuntimeError before it changed a param. (Found
-    the five silent differences 405e4d1 closed; with ONE_PROCESS_OPS and the
-    freeze calls, those of 1b7e4d8 to this test's commit: frozen params,
-    close(), reloads.)"""
+    or refuses a call with a RuntimeError before it changed a param; after
+    every call ``.grad`` is None where torch's is. (Found the five silent
+    differences 405e4d1 closed; with ONE_PROCESS_OPS and the freeze calls,
+    those of 1b7e4d8 to 22e4b96: frozen params, close(), reloads; with
+    "fill None" and "noise", .grad that was a zero buffer (intake "grad") or
+    a marker ("hooks") where torch's is None.)"""
     rng = random.Random(torch.initial_seed())
     refused = 0
     # (intake "hooks" rebuilt gives .grad None: its markers held no values, docs/optimizers.md)
@@ -403,6 +415,8 @@ def test_random_torch_optim_loops_train_as_torch_or_are_refused(intake):
                 refused += 1
                 break
             plain_opt = _apply(op, plain_model, plain_opt, gens[1], plain_norms) or plain_opt
+            nones = [[p.grad is None for p in m.parameters()] for m in (model, plain_model)]
+            assert nones[0] == nones[1], f"{ops[: k + 1]}: .grad is None {nones[0]}, torch's {nones[1]}"
         else:
             steps = sum("step" in op for op in ops)
             try:
@@ -413,13 +427,14 @@ def test_random_torch_optim_loops_train_as_torch_or_are_refused(intake):
 
 
 # The calls of the one-process loops beside FUZZ_OPS (FSDP2's keep to those).
-ONE_PROCESS_OPS = ["clip 0.05", "closure step", "backward p0", "state reset p2", "wd 0"]
+ONE_PROCESS_OPS = ["clip 0.05", "closure step", "backward p0", "fill None", "noise", "state reset p2", "wd 0"]
 
 
 # The calls of the random counted-window loops below (zero_grad(set_to_none=False)
 # left out: which params it keeps stepping spans windows, a contract of its own).
 COUNTED_OPS = [
     *["backward"] * 4,
+    "backward p0",
     *["step"] * 4,
     "zero_grad",
     "model.zero_grad",
@@ -457,8 +472,9 @@ def test_random_counted_window_loops_train_as_torch_or_are_refused(intake):
                 assert all(map(torch.equal, model.parameters(), before)), f"{ops[: k + 1]}: refused after a change"
                 refused += 1
                 break
-            if op == "backward":
-                (plain_model(torch.randn(4, 5, generator=gens[1])).pow(2).mean() / micro).backward()
+            if op in ("backward", "backward p0"):
+                loss = plain_model(torch.randn(4, 5, generator=gens[1])).pow(2).mean() / micro
+                loss.backward(inputs=[plain_model[0].weight] if op == "backward p0" else None)
                 since_backward = True
             elif op == "step":
                 calls, since_backward = calls + 1, False
@@ -616,6 +632,67 @@ def test_a_param_frozen_when_built_and_unfrozen_steps_as_torchs(backward):
         opt.step()
         runs.append(params)
     _assert_fused_close(*runs, steps=1)
+
+
+@pytest.mark.parametrize("intake", ["grad", "hooks"])
+@pytest.mark.parametrize(
+    "ops",
+    [
+        ["backward p0", "fill None", "step"],
+        ["backward", "step", "zero_grad", "backward p0", "fill None", "step"],
+        ["backward", "step", "zero_grad", "backward p0", "noise", "step"],
+        ["backward", "step", "zero_grad", "fill None", "freeze p1", "backward", "step"],
+    ],
+    ids=["built", "zero_grad", "noise", "frozen"],
+)
+def test_grad_is_none_where_torchs_is(intake, ops):
+    """One process: ``.grad`` is None where torch.optim's is (built, after
+    zero_grad(), on params a backward did not reach), so code that fills in
+    or edits the .grad that are None / not None trains as with torch: a zero
+    gradient filled in (before an all-reduce of every param) is stepped
+    (momentum, weight decay), noise goes into the gradients only. Before,
+    intake "grad" held a zero buffer there and "hooks" a marker after
+    zero_grad(), so the zeros were not filled in and those params not
+    stepped (AdamW, one step after the fill: "built" 4e-4 off torch's
+    (intake "grad"), "zero_grad" and "frozen" 7e-3 (both intakes)), and
+    "noise" stepped the params without a gradient (1e-2 off; intake "hooks"
+    refuses it: its .grad holds no values)."""
+    if intake == "hooks" and "noise" in ops:
+        with pytest.raises(RuntimeError, match="holds no values"):
+            _step_pair(intake, ops)
+        return
+    _step_pair(intake, ops)
+    for make in (lambda ps: ak.AdamW(ps, **FUSED["AdamW"], intake=intake), _torch("AdamW")):
+        model = _mlp()
+        opt, gen, nones = make(model.parameters()), torch.Generator().manual_seed(3), []
+        for op in ["backward p0", "step", "zero_grad", "model.zero_grad", "backward", "step", "zero_grad"]:
+            _apply(op, model, opt, gen, [])
+            nones.append([p.grad is None for p in model.parameters()])
+        # torch.autograd.grad() accumulates nothing into .grad
+        torch.autograd.grad(model(torch.randn(4, 5, generator=gen)).sum(), list(model.parameters()))
+        nones.append([p.grad is None for p in model.parameters()])
+        assert nones == [[False, True, True, True]] * 2 + [[True] * 4] * 2 + [[False] * 4] * 2 + [[True] * 4] * 2
+
+
+@pytest.mark.parametrize("accum_steps", [None, 2])
+def test_a_bf16_grad_assigned_where_none_is_taken(accum_steps):
+    """Intake "grad" gives a bf16 param grad_dtype None (any dtype), so a
+    gradient of the param's dtype assigned where .grad is None
+    (``p.grad = torch.zeros_like(p)``, as torch.distributed.checkpoint
+    does to create a fresh optimizer's state) is taken as torch.optim takes
+    it, where torch refused it under the fp32 grad_dtype before; the fp32
+    buffer is still .grad after a backward."""
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3).bfloat16()
+    opt = ak.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, accum_steps=accum_steps, intake="grad")
+    before = model.weight.detach().clone()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    for _ in range(accum_steps or 1):
+        opt.step()
+    assert not torch.equal(model.weight, before), "an assigned bf16 gradient is stepped"
+    model(torch.randn(4, 5).bfloat16()).sum().backward()
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
 
 
 def test_grad_after_step_holds_what_torchs_holds():

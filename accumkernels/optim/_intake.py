@@ -23,8 +23,10 @@ arrived until the step reads it.
 raises, naming what to use instead, wherever code tries to read it.
 
 ``GradIntake`` ("grad"): each param's ``.grad`` *is* its fp32 buffer view
-(bf16/fp16 params get ``grad_dtype = torch.float32``), and autograd adds each
-new gradient into it in place. Code that reads or edits ``.grad`` after
+(bf16/fp16 params get ``grad_dtype = None``: any dtype), and autograd adds each
+new gradient into it in place; on one process ``.grad`` is None until the
+param's first gradient, as torch.optim's (a pre-hook makes the zero buffer
+``.grad`` just before autograd adds into it). Code that reads or edits ``.grad`` after
 backward (framework clipping, ``GradScaler.unscale_``, norm logging) works on
 the window's true sum. A marker hook per param records which params got a
 gradient. With ``accum_steps=N`` the step clears the buffers
@@ -170,6 +172,29 @@ class _InboxHandle:
 
     def remove(self) -> None:
         _native._C.inbox_release(self.inbox, self.index)
+
+
+class _HookPair:
+    """Two hooks of one param, removed together."""
+
+    __slots__ = ("first", "second")
+
+    def __init__(self, first, second) -> None:
+        self.first, self.second = first, second
+
+    def remove(self) -> None:
+        self.first.remove()
+        self.second.remove()
+
+
+def _attach_weak(ref, index, grads):
+    """A pre-hook of a param's gradient accumulator (intake "grad"): before
+    autograd adds the gradient into ``.grad``, a ``.grad`` of None becomes the
+    param's zero buffer where the intake can tell it is zero (GradIntake._attach);
+    the gradient passes on unchanged."""
+    intake = ref()
+    if intake is not None:
+        intake._attach(index)
 
 
 def _take_and_drop(ref, index, grads):
@@ -840,8 +865,7 @@ class HookIntake(Intake):
             if grad is None:  # no gradient, as in plain PyTorch: not stepped (nor with a zero gradient)
                 self.window.forget_grad(index)
                 continue
-            if param.requires_grad:
-                self._take_late(self.layout.records[index])
+            self._take_late(self.layout.records[index])  # (a frozen param's too: torch.optim steps it)
 
     @torch.no_grad()
     def _fold(self, bucket: Bucket) -> None:
@@ -972,6 +996,15 @@ class HookIntake(Intake):
                 self.window.had_grad.add(r.index)
                 self.window.zero_grads.add(r.index)
             r.param.grad = marker[1] if marker is not None and not set_to_none else None
+        if set_to_none and not self.sync.reduces_buffers:
+            # One process: .grad is None, as torch.optim's, not a marker that
+            # code filling in the .grad that are None (with zeros, which
+            # torch.optim steps) would skip; the next gradient puts it back
+            # (unless a counted window goes on with its sum: a harmless clear).
+            records = self.layout.records
+            for index, (param, marker) in self._markers.items():
+                if param.grad is marker and index not in self.window.touched and records[index].local_of is None:
+                    param.grad = None
 
     def _assigned(self) -> list[ParamRecord]:
         """The plain params whose .grad is a tensor no hook took (left from
@@ -1026,6 +1059,16 @@ class GradIntake(Intake):
 
     def __init__(self, *args, **kwargs) -> None:
         self._grad_dtypes = {}  # (before anything close() gives back)
+        # One process: a param's .grad is None until its first gradient, as
+        # torch.optim's (no zero buffer that code filling in or editing the
+        # .grad that are None / not None would see otherwise): a pre-hook of
+        # its gradient accumulator (kept alive here: torch holds it weakly)
+        # makes its zero buffer .grad just before autograd adds into it
+        # (_attach). Where buffers are reduced across ranks or sharded
+        # (FSDP2), every param that requires grad holds its buffer as .grad,
+        # the reduction's output on a rank without a gradient of its own.
+        self.grad_none_until_used = not kwargs["sync"].reduces_buffers and all(r.local_of is None for r in args[0])
+        self._accumulators: dict[int, object] = {}
         super().__init__(*args, **kwargs)
         self._reduction_queued = False
         # accum_steps=N: other code wrote into the buffers between two step()
@@ -1046,13 +1089,16 @@ class GradIntake(Intake):
             grad = r.param.grad  # a gradient from before wrapping counts, unless zero_grad() drops it
             if r.param.dtype != torch.float32:
                 self._grad_dtypes[r.index] = r.param.grad_dtype
+                # Any dtype: the fp32 buffer, a gradient autograd makes where
+                # .grad is None (the param's, copied into the buffer), or one
+                # code assigns (torch.distributed.checkpoint's zeros_like(param)).
                 r.param.grad = None  # (torch refuses a grad_dtype other than the dtype of the .grad held)
-                r.param.grad_dtype = torch.float32
+                r.param.grad_dtype = None
             if grad is not None:
                 _copy_into(r.buffer, grad)
                 self.window.touched.add(r.index)
                 self.window.grads_since_step = True
-            if r.param.requires_grad or grad is not None:
+            if grad is not None or (r.param.requires_grad and not self.grad_none_until_used):
                 r.param.grad = r.buffer
         # The flat buffer's version counter when the intake last accounted for
         # every write into it, and whether a write it did not make was seen (see _take_written).
@@ -1077,6 +1123,34 @@ class GradIntake(Intake):
             if grad.dtype == r.buffer.dtype and grad.shape == r.buffer.shape and torch.equal(grad, r.buffer):
                 self.set_grad(r, r.buffer)
         self._account_writes()
+
+    def _register(self, r: ParamRecord):
+        handle = super()._register(r)
+        if not self.grad_none_until_used:
+            return handle
+        # (Autograd runs the pre-hook only where it accumulates into .grad: never in torch.autograd.grad().)
+        with torch.enable_grad():  # (step() runs under no_grad, and unfrozen params are hooked there)
+            node = r.param.view_as(r.param).grad_fn.next_functions[0][0]
+        self._accumulators[r.index] = node
+        return _HookPair(handle, node.register_prehook(functools.partial(_attach_weak, self._ref, r.index)))
+
+    def _attach(self, index: int) -> None:
+        """A gradient is about to be added into param ``index``'s ``.grad``
+        (one process): a ``.grad`` of None becomes its buffer, where that is
+        known to hold zeros (no sum in the window, no gradient a step used, no
+        write since the intake accounted for every one), so that autograd adds
+        into it in place; it was cleared (window.unzeroed). Otherwise autograd
+        makes a new ``.grad``, which _take copies or adds into the buffer."""
+        r = self.layout.records[index]
+        if (
+            r.param.grad is None
+            and index not in self.window.touched
+            and index not in self._used
+            and self.layout.flat._version == self._seen_version
+            and not self._unseen_write
+        ):
+            self.window.unzeroed.discard(index)
+            self.set_grad(r, r.buffer)
 
     def _window_ends_with_this_backward(self) -> bool:
         """Whether ``.grad`` must hold the reduced window when this backward
@@ -1261,7 +1335,8 @@ class GradIntake(Intake):
                 self.window.grads_since_step = True
                 self._used.discard(r.index)
             self.window.unzeroed.discard(r.index)  # dropped or replaced: cleared, as in plain PyTorch
-            if not frozen or kept:
+            # (a .grad dropped stays None, its buffer zero, until a gradient: _attach)
+            if grad is not None or kept or not (frozen or self.grad_none_until_used):
                 self.set_grad(r, r.buffer)
         self._account_writes()  # (the writes above are the intake's own)
 
@@ -1384,6 +1459,11 @@ class GradIntake(Intake):
                 self.window.unzeroed.add(r.index)
             else:
                 r.buffer.zero_()
+            # .grad is a tensor where the loaded window says torch.optim's would be (its sums, kept zeros)
+            if r.param.grad is None and self._holds_grad(r.index):
+                self.set_grad(r, r.buffer)
+            elif r.param.grad is r.buffer and self.grad_none_until_used and not self._holds_grad(r.index):
+                r.param.grad = None
 
     def before_zero_grad(self) -> None:
         """What other code put into ``.grad`` since (written in place,
@@ -1409,27 +1489,21 @@ class GradIntake(Intake):
                 self._sums_overwritten = False
             self._account_writes()
         if set_to_none:
-            # A param frozen since it had a gradient (requires_grad_(False)) gets
-            # none from autograd: its .grad is None, as torch.optim's, not a
-            # zero buffer that code editing every non-None .grad would write
-            # (unless a counted window goes on with its sum: a harmless clear).
-            for r in [r for r in self.layout.records if not r.param.requires_grad]:
+            # .grad is None, as torch.optim's, not a zero buffer that code
+            # filling in or editing .grad would see (unless a counted window
+            # goes on with its sum: a harmless clear); on several ranks only
+            # a frozen param's, which gets no gradient from autograd.
+            records = self.layout.records
+            if not self.grad_none_until_used:
+                records = [r for r in records if not r.param.requires_grad]
+            for r in records:
                 if r.param.grad is r.buffer and r.index not in self.window.touched:
                     r.param.grad = None
 
     def set_grad(self, r: ParamRecord, grad: torch.Tensor | None) -> None:
         """Set ``.grad`` to a tensor of the param's own dtype (the fallback
-        optimizer's input) or back to the fp32 view."""
-        if grad is None or grad is r.buffer:
-            if r.index in self._grad_dtypes:
-                r.param.grad = None  # (torch refuses a grad_dtype other than the dtype of the .grad held)
-                r.param.grad_dtype = torch.float32
-            r.param.grad = r.buffer
-        else:
-            r.param.grad = None
-            if r.index in self._grad_dtypes:
-                r.param.grad_dtype = self._grad_dtypes[r.index]
-            r.param.grad = grad
+        optimizer's input) or back to the fp32 view (None)."""
+        r.param.grad = r.buffer if grad is None else grad
 
     def meet_scaler(self, optimizer, ends_window: bool) -> None:
         """The scaler unscales ``.grad`` (the buffers) and skips step() on inf

@@ -437,6 +437,7 @@ class Updater:
         groups = self.optimizer.param_groups
         lrs = [group["lr"] for group in groups]
         records = [r for r in self.layout if r.param.requires_grad]
+        had_none = [r for r in records if r.param.grad is None]
         try:
             for group in groups:
                 group["lr"] = 0.0 * group["lr"]  # (a tensor lr stays a tensor)
@@ -448,6 +449,8 @@ class Updater:
                 group["lr"] = lr
             for r in records:
                 intake.set_grad(r, None)
+            for r in had_none:  # (as they were)
+                r.param.grad = None
 
     def _fallback(self, records, grad_scale, found_inf, intake) -> None:
         """Any other optimizer: hand it the window's gradient as .grad and let it
