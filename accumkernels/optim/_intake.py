@@ -1078,6 +1078,9 @@ class GradIntake(Intake):
         # params in _used), as torch.optim's .grad does, until a clear.
         self.zero_buffers_at_step = self.accum_steps is not None
         self._used: set[int] = set()
+        # One process, accum_steps=None: the next backward's first gradient
+        # reads whether the buffers of window.unzeroed were zeroed (_find_cleared)
+        self._unzeroed_unread = False
         self._held_before_load: set[int] = set()  # (before_restore: until the load's restore_sums)
         low = [r for r in self.layout if r.param.dtype != torch.float32]
         if low and not hasattr(low[0].param, "grad_dtype"):
@@ -1141,6 +1144,8 @@ class GradIntake(Intake):
         write since the intake accounted for every one), so that autograd adds
         into it in place; it was cleared (window.unzeroed). Otherwise autograd
         makes a new ``.grad``, which _take copies or adds into the buffer."""
+        if self._unzeroed_unread:
+            self._find_cleared()
         r = self.layout.records[index]
         if (
             r.param.grad is None
@@ -1151,6 +1156,24 @@ class GradIntake(Intake):
         ):
             self.window.unzeroed.discard(index)
             self.set_grad(r, r.buffer)
+
+    def _find_cleared(self) -> None:
+        """The first gradient after a step() that left ``window.unzeroed`` (the
+        params whose ``.grad`` holds the gradient it used, with no clear seen
+        since), before autograd adds it: a buffer now all zeros was cleared
+        where the version counter does not see it (``p.grad.data.zero_()``,
+        the clear of older loops), and holds a zero gradient, as torch.optim's
+        ``.grad`` would, so the next step() is no step on the old gradient
+        (were those zeros the old gradient, both sums are the same). One host
+        sync, only in a window that follows no clear seen otherwise."""
+        self._unzeroed_unread = False
+        records = [self.layout.records[i] for i in sorted(self.window.unzeroed)]
+        records = [r for r in records if r.param.grad is r.buffer]
+        if records:
+            zeroed = torch.stack([r.buffer.eq(0).all() for r in records]).tolist()
+            for r in (r for r, z in zip(records, zeroed) if z):
+                self.window.unzeroed.discard(r.index)
+                self._used.discard(r.index)
 
     def _window_ends_with_this_backward(self) -> bool:
         """Whether ``.grad`` must hold the reduced window when this backward
@@ -1378,6 +1401,9 @@ class GradIntake(Intake):
         ``model.zero_grad(set_to_none=False)``'s say, may have cleared any).
         Writes after the window's backward (GradScaler's unscale, a clip)
         clear nothing."""
+        if self._unzeroed_unread:  # (no gradient since the last step(): see _find_cleared)
+            self._find_cleared()
+            indices = indices & self.window.unzeroed
         if self._unseen_write:
             return set()
         if not self.window.grads_since_step and self.layout.flat._version != self._seen_version:
@@ -1429,6 +1455,7 @@ class GradIntake(Intake):
         the gradient it used."""
         if not self.zero_buffers_at_step:
             self._used |= self.window.touched
+            self._unzeroed_unread = self.grad_none_until_used
         self._sums_overwritten = False
         self._account_writes()
 

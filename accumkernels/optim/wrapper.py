@@ -674,7 +674,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 f"{f' (and {more} more)' if more else ''} still has the gradient the last step() used (no "
                 "optimizer.zero_grad(), model.zero_grad() or .grad = None since). torch.optim would step on it "
                 "again, added to any new one, which a loop seldom means: this optimizer refuses it. Call "
-                "optimizer.zero_grad() after each step() (or before each backward), as torch.optim's loops do"
+                "optimizer.zero_grad() after each step() (or before each backward), as torch.optim's loops do "
+                "(across ranks, intake='grad' does not see a clear through .data, p.grad.data.zero_(): use "
+                "p.grad.zero_())"
             )
 
     def _refuse_during_reduction(self, what: str) -> None:
