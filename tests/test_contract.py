@@ -714,6 +714,44 @@ def test_a_clear_through_data_is_torchs_clear(intake, ops):
     _step_pair(intake, ops)
 
 
+@pytest.mark.parametrize("intake", ["grad", "hooks"])
+@pytest.mark.parametrize(
+    "ops, refused",
+    [
+        (["backward", "step", "add group", "step"], True),
+        (["backward", "step", "add group", "backward", "step"], True),
+        (["backward", "step", "zero_grad(False)", "add group", "step"], False),
+        (["backward", "step", "zero_grad", "add group", "backward", "step"], False),
+    ],
+    ids=["uncleared", "uncleared-backward", "kept-zero", "cleared"],
+)
+def test_add_param_group_keeps_what_grad_holds(intake, ops, refused):
+    """add_param_group (the last two params of an optimizer built over the
+    first two) lays the buffers out anew; what .grad held stays: a step() on
+    the last step's gradients uncleared is still refused, and a zero kept by
+    zero_grad(set_to_none=False) still stepped, as torch.optim steps it.
+    (Before, intake "hooks" lost its markers there: the uncleared loops
+    stepped, 1e-2 and 7e-3 off torch's, the kept zero was not stepped, 7e-3.)"""
+    runs = []
+    for make in (lambda ps: ak.AdamW(ps, **FUSED["AdamW"], intake=intake), _torch("AdamW")):
+        model = _mlp()
+        params, gen = list(model.parameters()), torch.Generator().manual_seed(3)
+        opt = make(params[:2])
+        for k, op in enumerate(ops):
+            if op == "add group":
+                opt.add_param_group({"params": params[2:]})
+            elif refused and k == len(ops) - 1 and isinstance(opt, ak.AccumulatingOptimizer):
+                before = [p.detach().clone() for p in params]
+                with pytest.raises(RuntimeError, match="nothing cleared since the last step"):
+                    opt.step()
+                assert all(map(torch.equal, params, before))
+            else:
+                _apply(op, model, opt, gen, [])
+        runs.append(params)
+    if not refused:
+        _assert_fused_close(*runs, steps=ops.count("step"))
+
+
 def test_grad_after_step_holds_what_torchs_holds():
     """accum_steps=None, intake "grad": step() leaves .grad holding the
     gradient it used, as torch.optim's does, until it is cleared, so a norm

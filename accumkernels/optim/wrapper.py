@@ -377,13 +377,16 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             self._lay_out(_checked_options(self.optimizer, self._arguments), masters)
             raise
         window.renumber(renumbered)
-        if self._intake.exposes_buffers:
-            # A frozen param whose zero .grad torch.optim still holds (and steps:
-            # zero_grad(set_to_none=False)) has its buffer as .grad again; the
-            # new intake gave one only to the params that require grad.
-            for r in self._layout.records_of(window.had_grad | window.zero_grads):
-                if r.param.grad is None:
-                    self._intake.set_grad(r, r.buffer)
+        # A param whose .grad torch.optim still holds as a tensor (a gradient
+        # since the last zero_grad(set_to_none=True), one zero_grad(set_to_none=False)
+        # kept as zeros, which it steps) has its buffer (intake "grad") or marker
+        # ("hooks") as .grad again, which the closed intake took back: so a
+        # step() on the last step's gradients uncleared is refused, and a kept
+        # zero stepped, as before the change (the values of a gradient the last
+        # step used are not carried: intake "grad" holds zeros there).
+        for r in self._layout.records_of(window.had_grad | window.zero_grads | window.unzeroed):
+            if r.param.grad is None:
+                self._intake.set_grad(r, None)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Intake "hooks": harmless after step() (gradients are folded as they
