@@ -76,9 +76,13 @@ test-slow: build
 	$(PYTEST) -m slow
 
 # The "hooks" intake's tests once more with its Python pre-hooks only (as
-# without the extension) instead of the native inbox (tests/conftest.py).
+# without the extension) instead of the native inbox (tests/conftest.py). Not
+# tests/test_pipeline.py: its ranks are spawned processes, which the switch
+# does not reach (make test runs them), and beside this suite's other worker
+# its 4-rank run hung in torch's own pipeline loop (a stage waiting on a recv
+# the other had no send for) in 5 of 7 runs on 2026-12-06.
 PYTHON_HOOK_TESTS := tests/test_optimizer.py tests/test_contract.py tests/test_lean_window.py tests/test_amp.py \
-	tests/test_pipeline.py tests/test_conformance.py
+	tests/test_conformance.py
 test-python-hooks: build
 	ACCUMKERNELS_PYTHON_HOOKS=1 $(PYTEST) -m "not slow" $(PYTHON_HOOK_TESTS)
 
