@@ -57,7 +57,8 @@ build: $(VENV)/.built
 # class) at a time: a module that spawns ranks for its tests does so once.
 # make test runs every test but those marked slow (pyproject.toml says which);
 # make test-slow runs those, and CI runs both, then the seed sweep.
-PYTEST := ACCUMKERNELS_REQUIRE_FRAMEWORKS=1 $(PY) -m pytest -ra -n 2 --dist loadscope
+PYTEST_ALONE := ACCUMKERNELS_REQUIRE_FRAMEWORKS=1 $(PY) -m pytest -ra
+PYTEST := $(PYTEST_ALONE) -n 2 --dist loadscope
 SEEDS  ?= 10
 
 # tests/test_pipeline.py runs alone after the rest: beside another worker's
@@ -65,7 +66,7 @@ SEEDS  ?= 10
 # waiting on a recv the other had no send for), never alone (13 runs).
 test: build
 	$(PYTEST) -m "not slow" --ignore=tests/test_pipeline.py
-	ACCUMKERNELS_REQUIRE_FRAMEWORKS=1 $(PY) -m pytest -ra -m "not slow" tests/test_pipeline.py
+	$(PYTEST_ALONE) -m "not slow" tests/test_pipeline.py
 
 # ruff's lint and format check (pyproject.toml's [tool.ruff]); make format rewrites the files.
 lint: $(VENV)/.deps

@@ -73,8 +73,9 @@ def main() -> int:
     parser.add_argument("modules", nargs="*", default=NUMERIC_MODULES, help="test modules (default: the numeric ones)")
     args = parser.parse_args()
     seeds = args.seed or [random.SystemRandom().randrange(2**31) for _ in range(args.seeds)]
-    alone = [m for m in args.modules if m in ALONE]
-    cmds = [command([m for m in args.modules if m not in alone], args.workers)] + ([command(alone, 0)] if alone else [])
+    parallel, alone = [m for m in args.modules if m not in ALONE], [m for m in args.modules if m in ALONE]
+    # (no command for an empty list: pytest would run every test it finds)
+    cmds = [command(modules, workers) for modules, workers in ((parallel, args.workers), (alone, 0)) if modules]
     print(f"seed sweep: {len(seeds)} seeds {seeds} over {len(args.modules)} modules", flush=True)
     failed, start = [], time.monotonic()
     for i, seed in enumerate(seeds, 1):

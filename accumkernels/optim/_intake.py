@@ -174,6 +174,13 @@ class _InboxHandle:
         _native._C.inbox_release(self.inbox, self.index)
 
 
+def _grad_accumulator(param: torch.Tensor):
+    """The param's AccumulateGrad node, whose pre-hooks autograd runs only
+    where it adds into ``.grad`` (torch holds it weakly: its caller keeps it)."""
+    with torch.enable_grad():  # (step() runs under no_grad, and unfrozen params are hooked there)
+        return param.view_as(param).grad_fn.next_functions[0][0]
+
+
 class _HookPair:
     """Two hooks of one param, removed together."""
 
@@ -541,9 +548,7 @@ class HookIntake(Intake):
         # whenever registered (a user's mask sees the gradient first, as in plain
         # PyTorch), and only where it accumulates into .grad: never in
         # torch.autograd.grad(). It returns no gradient: nothing is added into .grad.
-        with torch.enable_grad():  # (step() runs under no_grad, and unfrozen params are hooked there)
-            node = r.param.view_as(r.param).grad_fn.next_functions[0][0]
-        self._accumulators[r.index] = node
+        node = self._accumulators[r.index] = _grad_accumulator(r.param)
         slow = functools.partial(_take_and_drop, self._ref, r.index)
         if not self._native_inbox:
             return node.register_prehook(slow)
@@ -1132,9 +1137,7 @@ class GradIntake(Intake):
         if not self.grad_none_until_used:
             return handle
         # (Autograd runs the pre-hook only where it accumulates into .grad: never in torch.autograd.grad().)
-        with torch.enable_grad():  # (step() runs under no_grad, and unfrozen params are hooked there)
-            node = r.param.view_as(r.param).grad_fn.next_functions[0][0]
-        self._accumulators[r.index] = node
+        node = self._accumulators[r.index] = _grad_accumulator(r.param)
         return _HookPair(handle, node.register_prehook(functools.partial(_attach_weak, self._ref, r.index)))
 
     def _attach(self, index: int) -> None:
