@@ -232,8 +232,7 @@ def test_a_step_on_the_last_steps_uncleared_gradients_is_refused(cleared, intake
     cleared: a second step() with the first one's gradients uncleared would
     use them again there. This one refuses, naming the first param still
     holding one, before anything is
-    touched (intake "hooks" cleared them when it used them; a loop seldom means
-    to step twice on one gradient)."""
+    touched (a loop seldom means to step twice on one gradient)."""
     clear = None if cleared == "nothing" else (lambda model, opt: model[0].zero_grad())
     model, plain_model = _mlp(), _mlp()
     opt = ak.AdamW(model.parameters(), **FUSED["AdamW"], intake=intake)
@@ -412,8 +411,7 @@ def test_random_torch_optim_loops_train_as_torch_or_are_refused(intake):
     a marker ("hooks") where torch's is None.)"""
     rng = random.Random(torch.initial_seed())
     refused = 0
-    # (intake "hooks" rebuilt gives .grad None: its markers held no values, docs/optimizers.md)
-    calls = FUZZ_OPS + ONE_PROCESS_OPS + (["rebuild"] if intake == "grad" else [])
+    calls = FUZZ_OPS + ONE_PROCESS_OPS + ["rebuild"]
     for _ in range(40):
         ops = [rng.choice(calls) for _ in range(rng.randint(3, 12))] + ["step"]
         name = rng.choice(list(FUSED))
@@ -551,29 +549,77 @@ def test_a_param_frozen_mid_run_steps_as_torchs(intake, ops):
         ["backward", "step", "zero_grad", "backward", "rebuild", "step"],
         ["backward", "step", "rebuild", "step"],
         ["backward", "zero_grad(False)", "step", "zero_grad(False)", "rebuild", "step"],
+        ["backward", "step", "zero_grad(False)", "rebuild", "step"],
         ["backward", "step", "zero_grad", "rebuild", "step"],
+        ["backward", "backward p0", "clip 0.05", "rebuild", "step"],
+        ["backward", "step", "grads /= 4", "rebuild", "step"],
     ],
-    ids=["mid-window", "second-window", "used-again", "kept-zero", "cleared"],
+    ids=[
+        "mid-window",
+        "second-window",
+        "used-again",
+        "kept-zero",
+        "kept-zero-after-step",
+        "cleared",
+        "clipped",
+        "used-scaled",
+    ],  # fmt: skip
 )
-def test_close_leaves_grad_as_torchs(ops, to_torch):
-    """Intake "grad": close() leaves in each param's .grad what torch.optim's
-    would hold (a copy of its buffer; None where it was cleared), so the
-    optimizer built next (ours, or torch's) steps as one optimizer all along
-    would: a window in progress is not dropped (before, close() set every
-    .grad to None: torch's optimizer built next stepped nothing, silently),
-    and a gradient stepped again without a clear is torch's double step."""
+@pytest.mark.parametrize("intake", ["grad", "hooks"])
+def test_close_leaves_grad_as_torchs(intake, ops, to_torch):
+    """close() leaves in each param's .grad what torch.optim's would hold (a
+    copy of the window's sum, clipped where clip_grad_norm_() was called, or
+    a kept zero, in the param's gradient dtype; None where it was cleared), so
+    the optimizer built next (ours, or torch's) steps as one optimizer all
+    along would: a window in progress is not dropped, and a gradient stepped
+    again without a clear is torch's double step. Before, close() set every
+    .grad to None (intake "grad" until 257d0d7, "hooks" until this test's
+    commit): torch's optimizer built next stepped nothing, silently. Intake
+    "hooks" refuses zero_grad() between a backward and step(), as without close()."""
     runs = []
     for ours in (True, False):
         model = _mlp()
-        opt = ak.AdamW(model.parameters(), **FUSED["AdamW"]) if ours else _torch("AdamW")(model.parameters())
-        gen = torch.Generator().manual_seed(3)
+        params = list(model.parameters())
+        opt = ak.AdamW(params, **FUSED["AdamW"], intake=intake) if ours else _torch("AdamW")(params)
+        gen, norms = torch.Generator().manual_seed(3), []
         for op in ops:
-            if op != "rebuild":
-                _apply(op, model, opt, gen, [])
+            if ours and intake == "hooks" and op == "zero_grad(False)" and opt._window.grads_since_step:
+                with pytest.raises(RuntimeError, match=r"zero_grad\(\) between a backward and step\(\)"):
+                    _apply(op, model, opt, gen, norms)
+                return
+            if ours and intake == "hooks" and op == "clip 0.05":  # (its .grad holds no values to clip)
+                norms.append(opt.clip_grad_norm_(0.05).item())
+            elif op != "rebuild":
+                _apply(op, model, opt, gen, norms)
             elif ours:
-                opt = _rebuild(opt, list(model.parameters()), _torch("AdamW") if to_torch else None)
-        runs.append(list(model.parameters()))
-    _assert_fused_close(*runs, steps=ops.count("step"))
+                opt = _rebuild(opt, params, _torch("AdamW") if to_torch else None)
+        runs.append((params, norms))
+    _assert_pair(*runs[0], *runs[1], steps=ops.count("step"))
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["adopted", "grad_scaler="])
+def test_hooks_close_leaves_the_scaled_sum(given):
+    """Intake "hooks" folds each gradient unscaled; close() mid-window leaves
+    in .grad what torch's loop under a GradScaler holds (the scaled sum), so
+    torch's optimizer built next, stepped by the same scaler, steps as one
+    torch loop all along: whether the wrapper was given the scaler or would
+    adopt it at its first scaler.step()."""
+    runs = []
+    for ours in (True, False):
+        model = _mlp()
+        params = list(model.parameters())
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        kwargs = dict(intake="hooks", grad_scaler=scaler) if given else dict(intake="hooks")
+        opt = ak.AdamW(params, **FUSED["AdamW"], **kwargs) if ours else _torch("AdamW")(params)
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(2):
+            scaler.scale(model(torch.randn(4, 5, generator=gen)).pow(2).mean()).backward()
+        if ours:
+            opt = _rebuild(opt, params, _torch("AdamW"))
+        scaler.step(opt)
+        scaler.update()
+        runs.append(params)
+    _assert_fused_close(*runs, steps=1)
 
 
 @pytest.mark.parametrize("intake", ["grad", "hooks"])
@@ -608,6 +654,60 @@ def test_a_clear_after_resuming_mid_window_is_torchs(intake, clear):
     _apply(clear, plain_model, plain_opt, gens[1], [])
     plain_opt.step()
     _assert_fused_close(list(model.parameters()), list(plain_model.parameters()), steps=1)
+
+
+@pytest.mark.parametrize("intake", ["grad", "hooks"])
+@pytest.mark.parametrize("unfreeze", [False, True], ids=["frozen", "unfrozen"])
+def test_a_grad_assigned_to_a_param_frozen_when_built_is_stepped(intake, unfreeze):
+    """A param frozen when the optimizer is built, then given a .grad by
+    other code (or by the optimizer a rebuild closed), is stepped by
+    torch.optim's step(), frozen or unfrozen since, and again at the next
+    step() while nothing clears it. Ours steps it too (before, intake "hooks"
+    looked only at the params it had hooked: the frozen one was not stepped,
+    2.6e-3 off torch's after the fuzz's rebuild), and refuses the second step
+    as for any param (test_a_step_on_the_last_steps_uncleared_gradients_is_refused)."""
+    runs = []
+    for ours in (True, False):
+        model = _mlp()
+        params = list(model.parameters())
+        params[1].requires_grad_(False)
+        opt = ak.AdamW(params, **FUSED["AdamW"], intake=intake) if ours else _torch("AdamW")(params)
+        model(torch.randn(4, 5, generator=torch.Generator().manual_seed(3))).pow(2).mean().backward()
+        params[1].grad = torch.full_like(params[1], 0.25)
+        if unfreeze:
+            params[1].requires_grad_(True)
+        opt.step()
+        runs.append([p.detach().clone() for p in params])
+        if ours:
+            with pytest.raises(RuntimeError, match="nothing cleared since the last step"):
+                opt.step()
+            assert all(map(torch.equal, params, runs[-1]))
+            opt.zero_grad()
+            assert all(p.grad is None for p in params)
+    _assert_fused_close(*runs, steps=1)
+
+
+def test_hooks_refuses_to_save_a_sum_over_an_uncleared_gradient():
+    """Intake "hooks", a backward after a step() with nothing cleared between:
+    torch.optim's .grad holds the two gradients added, and step() is refused
+    (test_a_step_on_the_last_steps_uncleared_gradients_is_refused); the fold overwrote the old one, so
+    state_dict() is refused too (before, a rebuild saved the new gradient
+    alone and the new optimizer stepped it, 2e-3 off torch's), and close()
+    leaves the marker, whose use says why."""
+    model = _mlp()
+    params = list(model.parameters())
+    opt = ak.AdamW(params, **FUSED["AdamW"], intake="hooks")
+    gen = torch.Generator().manual_seed(3)
+    for op in ("backward", "step", "backward"):
+        _apply(op, model, opt, gen, [])
+    with pytest.raises(RuntimeError, match="added onto the one the last step\\(\\) used"):
+        opt.state_dict()
+    opt.close()
+    with pytest.raises(RuntimeError, match="was closed .* the two added|its optimizer was closed"):
+        torch.optim.AdamW(params).step()
+    opt = ak.AdamW(params, **FUSED["AdamW"], intake="hooks")
+    opt.zero_grad()  # the clear torch.optim's loop needs here too
+    assert all(p.grad is None for p in params)
 
 
 @pytest.mark.parametrize("backward", [False, True], ids=["no-gradient", "gradient"])

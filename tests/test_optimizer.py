@@ -1560,7 +1560,8 @@ def test_the_classic_loop_with_accum_steps_is_refused():
 def test_torch_clip_with_the_hooks_intake_is_refused():
     """accum_steps=N (intake 'hooks'): .grad holds the FoldedGrad marker, so
     torch's clip_grad_norm_ raises, naming max_grad_norm=, instead of clipping
-    nothing and returning 0; so does any read of .grad."""
+    nothing and returning 0; so does any read of .grad. close() leaves the
+    window's sum in .grad, as a plain tensor."""
     model = mlp()
     opt = ak.AccumulatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), accum_steps=4)
     x, y = data(8)
@@ -1573,8 +1574,10 @@ def test_torch_clip_with_the_hooks_intake_is_refused():
         model[0].weight.grad.add_(1.0)  # only autograd's own accumulation is absorbed
     assert "accumulated_grad" in repr(model[0].weight.grad)
     opt.step()
+    sums = [opt.accumulated_grad(p).clone() for p in model.parameters()]
     opt.close()
-    assert all(p.grad is None for p in model.parameters()), "close() leaves plain .grad behind"
+    # torch.optim's .grad holds the window's sum: a plain tensor now (docs/optimizers.md)
+    assert all(type(p.grad) is torch.Tensor and torch.equal(p.grad, s) for p, s in zip(model.parameters(), sums))
 
 
 def test_zero_grad_between_backward_and_step_is_refused_by_the_hooks_intake():

@@ -100,6 +100,7 @@ class FoldedGrad(torch.Tensor):
         # an FSDP2 param's, takes what is added into .grad; cleared(): told of
         # an in-place zeroing; scaled(factor, divide): of an in-place scaling.
         self.index = index
+        self.lost = None  # why the gradient it stands for is not known (HookIntake.close)
         self.sink = sink
         self.cleared = cleared
         self.scaled = scaled
@@ -145,6 +146,8 @@ class FoldedGrad(torch.Tensor):
                 "device and layout. Convert or move the model first, then build the optimizer and the wrapper (or call "
                 "opt.close() first)"
             )
+        if markers and markers[0].lost is not None:
+            raise RuntimeError(markers[0].lost)
         framework = _guards.framework_reading_grad(index)
         if framework is not None:
             raise RuntimeError(framework)

@@ -314,7 +314,7 @@ class Intake:
             self.layout.refresh_expected()
             self._expected_changed()
             for r in self._hook_trainable():
-                if r.param.grad is not None:
+                if r.param.grad is not None and r.param.grad is not r.marker:  # (taken in while frozen)
                     self._take_late(r)
 
     def start_micro_step(self) -> None:
@@ -487,6 +487,10 @@ class Intake:
         """At step(), before anything is counted: refuse a window whose sums
         other code overwrote (intake "grad": see its own)."""
 
+    def refuse_lost_used(self, what: str) -> None:
+        """At state_dict(): refuse a window that lost what torch.optim's
+        ``.grad`` holds (intake "hooks": see its own)."""
+
     def after_step(self) -> None:
         """The window's update is done (or skipped)."""
 
@@ -541,8 +545,7 @@ class HookIntake(Intake):
             r.marker = FoldedGrad(r.local, r.index, sink=sink, cleared=cleared, scaled=scaled)
             self._markers[r.index] = (r.param, sharded_grad(r.marker, r.param))
             return r.param.register_post_accumulate_grad_hook(functools.partial(_shard_weak, self._ref, r.index))
-        self._markers[r.index] = (r.param, FoldedGrad(r.param, r.index, cleared=cleared, scaled=scaled))
-        r.marker = self._markers[r.index][1]  # (read by _arrive: one attribute instead of two lookups)
+        r.marker = self._plain_marker(r)  # (read by _arrive: one attribute instead of two lookups)
         # A pre-hook of the param's gradient accumulator (kept alive: torch holds
         # it weakly). Autograd runs it after every tensor hook on the param,
         # whenever registered (a user's mask sees the gradient first, as in plain
@@ -563,6 +566,17 @@ class HookIntake(Intake):
             self._inbox, r.index, r.bucket.index, r.param, r.marker, r.contiguous, r.buffer_stride, slow
         )
         return _InboxHandle(self._inbox, r.index)
+
+    def _plain_marker(self, r: ParamRecord) -> FoldedGrad:
+        """The marker of plain param ``r``, made at its hook, or earlier where
+        a ``.grad`` was assigned to it while frozen (taken in at step(): torch.optim
+        steps it), and kept when it is hooked later (unfrozen)."""
+        if r.index not in self._markers:
+            cleared = functools.partial(_cleared_weak, self._ref, r.index)
+            scaled = functools.partial(_scaled_weak, self._ref, r.index)
+            self._markers[r.index] = (r.param, FoldedGrad(r.param, r.index, cleared=cleared, scaled=scaled))
+        r.marker = self._markers[r.index][1]
+        return r.marker
 
     def _start_inbox(self) -> None:
         """A micro-step starts: the inbox may queue, unless every gradient must
@@ -747,13 +761,19 @@ class HookIntake(Intake):
         calls this once per param); a lean window's held gradients (their
         own dtype) go into the flat buffer first, where the scaling rounds
         once in fp32. A param with no gradient in the window has nothing to
-        scale (zeros, or torch.optim's None). Refused where the param's bucket
-        is being reduced across ranks in place."""
+        scale (zeros, or torch.optim's None), unless its buffer keeps the
+        gradient the last step() used, uncleared (close() leaves it in
+        ``.grad``: scaled, as torch's). Refused where the param's bucket is
+        being reduced across ranks in place."""
         self._drain()
         r = self.layout.records[index]
         if self._pending.get(r.bucket.index):
             self._fold(r.bucket)
         if index not in self.window.touched:
+            if index in self._kept_used():
+                (r.buffer.div_ if divide else r.buffer.mul_)(
+                    factor.reshape(()) if isinstance(factor, torch.Tensor) else factor
+                )
             return
         if self._reduces and self.sync.bucket_launched(r.bucket):
             raise RuntimeError(
@@ -861,6 +881,11 @@ class HookIntake(Intake):
         markers = self._markers
         if self._inbox is not None:  # it knows which .grad is not its marker: the only ones to look at
             markers = {i: markers[i] for i in _native._C.inbox_stray(self._inbox)}
+        # A frozen param's .grad assigned by other code (or left by a closed
+        # optimizer) is a gradient torch.optim steps: it gets a marker too.
+        frozen = [r for r in self._unhooked if r.local_of is None and r.param.grad is not None]
+        if frozen:
+            markers = {**markers, **{r.index: (r.param, self._plain_marker(r)) for r in frozen}}
         for index, (param, marker) in markers.items():
             grad = param.grad
             if grad is marker:
@@ -956,15 +981,97 @@ class HookIntake(Intake):
     def restore_sums(self, sums: torch.Tensor) -> None:
         """As Intake's; each param with a sum holds its marker again, as when
         the checkpoint was saved: a ``.grad`` dropped after the resume is seen
-        (and, after a backward, refused as without it)."""
+        (and, after a backward, refused as without it). One assigned a tensor
+        (the copy of the sum a closed optimizer's close() left, which the
+        checkpoint holds too) gets the checkpoint's sum, as intake "grad"'s
+        buffer does: else step() would take that tensor in on top of it."""
         if self.lean:  # a window with sums: held in the flat buffer
             self.layout.allocate()
             self._held_unscale = 1.0
         super().restore_sums(sums)
         for i in self.window.touched:
             param, marker = self._markers.get(i, (None, None))
-            if marker is not None and param.grad is None:
+            if marker is not None and param.grad is not marker:
                 param.grad = marker
+
+    def _lost_used(self) -> set[int]:
+        """Params with a gradient in the window on top of the uncleared one the
+        last step() used, which their first fold of the window overwrote:
+        torch.optim's ``.grad`` holds the two added (its step() is refused)."""
+        return self.window.touched & self.uncleared(self._kept_used())
+
+    def refuse_lost_used(self, what: str) -> None:
+        lost = self._lost_used()
+        if lost:
+            raise RuntimeError(
+                f"{what} with param {min(lost)}'s gradient of this window added onto the one the last step() used, "
+                "uncleared: torch.optim's .grad holds the two added (step() refuses it), but intake='hooks' "
+                "folded the new one over the old. Call optimizer.zero_grad() after each step() (or before each "
+                "backward), as torch.optim's loops do, or use intake='grad'"
+            )
+
+    def close(self, keep_grads: bool = False) -> None:
+        """As Intake's. With ``keep_grads`` (the wrapper's close()), on one
+        process, a param whose marker stands for a gradient torch.optim's
+        ``.grad`` would hold gets it as a tensor (in the param's gradient
+        dtype), so an optimizer built next steps on it: the window's sum (times
+        the loss scale, as it was folded unscaled, and a ``clip_grad_norm_()``
+        coefficient still to apply: torch's ``.grad`` before its step), the
+        gradient the last step() used where nothing cleared it (the buffer
+        keeps it until the next window's first gradient overwrites it), or a
+        zero kept by ``zero_grad(set_to_none=False)``. Across ranks or sharded,
+        None (a reduced buffer holds the ranks' sum, not DDP's or FSDP2's
+        ``.grad``). A param whose window sum lost the uncleared gradient under
+        it (_lost_used) keeps its marker, told why: a use of it raises."""
+        kept = self._kept_grads() if keep_grads and not self.sync.reduces_buffers else []
+        lost = self._lost_used() if keep_grads else set()
+        super().close()
+        for r, grad in kept:
+            r.param.grad = grad
+        for index in lost:
+            param, marker = self._markers[index]
+            param.grad = marker
+            marker.lost = (
+                f"param {index}'s .grad: its optimizer was closed (close()) with this window's gradient added onto "
+                "the one the last step() used, uncleared; intake='hooks' folded the new one over the old, so "
+                "torch.optim's .grad (the two added) is not known. Call optimizer.zero_grad() after each step() "
+                "(or before each backward)"
+            )
+
+    def _kept_used(self) -> set[int]:
+        """The params whose buffer keeps the gradient the last step() used and
+        nothing cleared since, as torch.optim's ``.grad`` keeps it (one
+        process, accum_steps=None: the next window's first gradient
+        overwrites it; lean, it was dropped at the step)."""
+        if self.accum_steps is None and self.layout.flat is not None and not self.sync.reduces_buffers:
+            return {i for i in self.window.unzeroed if self.layout.records[i].local_of is None}
+        return set()
+
+    def _kept_grads(self) -> list[tuple[ParamRecord, torch.Tensor]]:
+        """(record, the ``.grad`` close() leaves it) for the params that hold
+        their marker and a gradient torch.optim's ``.grad`` would hold."""
+        self.flush()
+        window = self.window
+        factor = self.loss_scale()  # 1 / the scale, or 1.0
+        factor = 1.0 / factor if isinstance(factor, float) else factor.reciprocal()
+        if window.clip_coef is not None:
+            factor = factor * window.clip_coef
+        used, lost = self._kept_used(), self._lost_used()
+        kept = []
+        for index, (param, marker) in self._markers.items():
+            r = self.layout.records[index]
+            if param.grad is not marker or r.local_of is not None:
+                continue
+            dtype = getattr(param, "grad_dtype", None) or param.dtype
+            if index in lost:
+                continue
+            if index in window.touched:
+                kept.append((r, (self.window_sum(r) * factor).to(dtype)))
+            elif index in used:
+                kept.append((r, r.buffer.to(dtype, copy=True)))
+            elif index in window.zero_grads:
+                kept.append((r, torch.zeros_like(param, dtype=dtype)))
+        return kept
 
     def after_step(self) -> None:
         """The inbox forgets which markers it put back (a clear counts for the
@@ -996,7 +1103,7 @@ class HookIntake(Intake):
         (the step zeroes its buffer)."""
         self.flush()
         for r in self._assigned():
-            marker = self._markers.get(r.index)
+            marker = (r.param, self._plain_marker(r)) if r.local_of is None else self._markers.get(r.index)
             if not set_to_none:
                 self.window.had_grad.add(r.index)
                 self.window.zero_grads.add(r.index)

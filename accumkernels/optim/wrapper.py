@@ -513,11 +513,11 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Release the params (hooks, ``.grad`` views), so another wrapper may
-        take them. Intake "grad": each param's ``.grad`` keeps what it held (a
-        copy of its buffer, in the param's gradient dtype), so an optimizer built
-        next steps on it as torch.optim's would; intake "hooks": ``.grad`` is
-        None (its markers held no values: a window in progress goes on through
-        ``state_dict()``). A closed wrapper saves its state (``state_dict()``)
+        take them. Each param's ``.grad`` holds what torch.optim's would (a
+        copy of the window's sum, in the param's gradient dtype, or a kept
+        zero; None where cleared), so an optimizer built next steps on it as
+        torch.optim's would (intake "hooks" across ranks or sharded: None,
+        HookIntake.close). A closed wrapper saves its state (``state_dict()``)
         and refuses what would use the params."""
         if not self._closed:
             self._intake.close(keep_grads=True)
@@ -549,6 +549,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if not self._closed:
             self._intake.check_grads()
             self._intake.flush()
+            self._intake.refuse_lost_used("state_dict()")
         if dcp and not self.optimizer.state:
             # DCP creates a plain optimizer's state before it saves or loads
             # (its template must hold the keys it loads), but only where every
@@ -665,9 +666,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         whatever ``.grad`` holds, which keeps adding up until it is cleared, so
         with nothing cleared since the last step() (no ``zero_grad()`` of the
         optimizer or the model, no ``.grad = None``) it would step on the last
-        window's gradients again, added to this one's. Intake "hooks" cleared
-        them when it used them, and a loop seldom means to step twice on one
-        gradient: refused, before anything is counted or touched."""
+        window's gradients again, added to this one's. Intake "hooks" folds a
+        window's first gradient over the one used, and a loop seldom means to
+        step twice on one gradient: refused, before anything is counted or touched."""
         window = self._window
         window.unzeroed = self._intake.uncleared(window.unzeroed)
         if window.unzeroed:
