@@ -267,9 +267,11 @@ def _apply(op, model, opt, gen, norms):
     the first weight only), "fill None" (a zero .grad where it is None, as
     before an all-reduce of every param), "noise" (added into each .grad
     that is not None), "data.zero_()" (each .grad cleared through .data, as
-    older loops do), "state reset p2", "wd 0", and "rebuild" (the
+    older loops do), "state reset p2", "wd 0", "rebuild" (the
     optimizer closed and a new one built over the params, loading its state
-    dict: returned, where every other call returns None)."""
+    dict) and "to torch" (the same, into torch.optim's optimizer: the loop
+    goes on under torch's): these two return the new optimizer, where every
+    other call returns None."""
     params = list(model.parameters())
     if op in ("backward", "backward x2"):
         loss = model(torch.randn(4, 5, generator=gen)).pow(2).mean()
@@ -326,6 +328,8 @@ def _apply(op, model, opt, gen, norms):
         opt.param_groups[0]["weight_decay"] = 0.0
     elif op == "rebuild":
         return _rebuild(opt, params)
+    elif op == "to torch":
+        return _rebuild(opt, params, _torch(type(opt).__name__))
     elif op == "reload":
         opt.load_state_dict(copy.deepcopy(opt.state_dict()))
     elif op == "lr":
@@ -411,7 +415,7 @@ def test_random_torch_optim_loops_train_as_torch_or_are_refused(intake):
     a marker ("hooks") where torch's is None.)"""
     rng = random.Random(torch.initial_seed())
     refused = 0
-    calls = FUZZ_OPS + ONE_PROCESS_OPS + ["rebuild"]
+    calls = FUZZ_OPS + ONE_PROCESS_OPS + ["rebuild", "to torch"]
     for _ in range(40):
         ops = [rng.choice(calls) for _ in range(rng.randint(3, 12))] + ["step"]
         name = rng.choice(list(FUSED))
@@ -467,6 +471,7 @@ COUNTED_OPS = [
     "unfreeze p1",
     "lr",
     "reload",
+    "rebuild",
 ]
 
 
@@ -475,7 +480,8 @@ def test_random_counted_window_loops_train_as_torch_or_are_refused(intake):
     """accum_steps=N (3), 30 random loops of COUNTED_OPS then N step() calls:
     ours ends within _assert_fused_close's bound of torch.optim's loop that
     divides each loss by N, steps at every N-th step() call and clears after
-    it, or refuses a call before it changed a param. A clear after a step()
+    it, or refuses a call before it changed a param ("rebuild": ours closed
+    and rebuilt from its state dict, torch's loop goes on). A clear after a step()
     with no backward since is harmless in ours (the window is the wrapper's),
     so torch's loop skips it; one between a backward and its step() is
     torch's (intake "grad": zero_grad() discards the window, whose count
@@ -491,7 +497,7 @@ def test_random_counted_window_loops_train_as_torch_or_are_refused(intake):
         for k, op in enumerate(ops):
             before = [p.detach().clone() for p in model.parameters()]
             try:
-                _apply(op, model, opt, gens[0], [])
+                opt = _apply(op, model, opt, gens[0], []) or opt
             except RuntimeError:
                 assert all(map(torch.equal, model.parameters(), before)), f"{ops[: k + 1]}: refused after a change"
                 refused += 1
@@ -553,6 +559,7 @@ def test_a_param_frozen_mid_run_steps_as_torchs(intake, ops):
         ["backward", "step", "zero_grad", "rebuild", "step"],
         ["backward", "backward p0", "clip 0.05", "rebuild", "step"],
         ["backward", "step", "grads /= 4", "rebuild", "step"],
+        ["backward", "step", "p2 = 0.5", "reload", "rebuild", "step"],
     ],
     ids=[
         "mid-window",
@@ -563,7 +570,8 @@ def test_a_param_frozen_mid_run_steps_as_torchs(intake, ops):
         "cleared",
         "clipped",
         "used-scaled",
-    ],  # fmt: skip
+        "used-reloaded",
+    ],
 )
 @pytest.mark.parametrize("intake", ["grad", "hooks"])
 def test_close_leaves_grad_as_torchs(intake, ops, to_torch):
@@ -575,17 +583,24 @@ def test_close_leaves_grad_as_torchs(intake, ops, to_torch):
     again without a clear is torch's double step. Before, close() set every
     .grad to None (intake "grad" until 257d0d7, "hooks" until this test's
     commit): torch's optimizer built next stepped nothing, silently. Intake
-    "hooks" refuses zero_grad() between a backward and step(), as without close()."""
+    "hooks" refuses zero_grad() between a backward and step(), as without
+    close(); intake "grad", a step() after a mid-window load that left the
+    gradient the last step() used uncleared (docs/optimizers.md)."""
     runs = []
     for ours in (True, False):
         model = _mlp()
         params = list(model.parameters())
         opt = ak.AdamW(params, **FUSED["AdamW"], intake=intake) if ours else _torch("AdamW")(params)
         gen, norms = torch.Generator().manual_seed(3), []
-        for op in ops:
+        for k, op in enumerate(ops):
             if ours and intake == "hooks" and op == "zero_grad(False)" and opt._window.grads_since_step:
                 with pytest.raises(RuntimeError, match=r"zero_grad\(\) between a backward and step\(\)"):
                     _apply(op, model, opt, gen, norms)
+                return
+            if ours and op == "step" and intake == "grad" and not to_torch and "reload" in ops[:k]:
+                # (a mid-window load leaves a .grad the checkpoint has no sum for as one a step() used)
+                with pytest.raises(RuntimeError, match="nothing cleared since the last step"):
+                    opt.step()
                 return
             if ours and intake == "hooks" and op == "clip 0.05":  # (its .grad holds no values to clip)
                 norms.append(opt.clip_grad_norm_(0.05).item())

@@ -994,6 +994,21 @@ class HookIntake(Intake):
             if marker is not None and param.grad is not marker:
                 param.grad = marker
 
+    def _write_sums(self, sums: torch.Tensor) -> None:
+        """As Intake's, but a buffer that keeps the gradient the last step()
+        used, uncleared (_kept_used), keeps it: a load leaves ``.grad`` as it
+        was where the checkpoint's window has no sum, as torch.optim's does."""
+        keep = self._kept_used() - self.window.touched
+        if not keep:
+            super()._write_sums(sums)
+            return
+        layout = self.layout
+        for r in layout:
+            if r.index in self.window.touched:
+                r.buffer.copy_(layout.view(r, sums))
+            elif r.index not in keep:
+                r.buffer.zero_()
+
     def _lost_used(self) -> set[int]:
         """Params with a gradient in the window on top of the uncleared one the
         last step() used, which their first fold of the window overwrote:
