@@ -1451,3 +1451,63 @@ def test_step_hooks_global_ones_and_profiler_range_as_torchs():
     assert loss == want_loss == 7.0
     assert order == want_order == ["global pre", "pre", ("post", 7.0), "global post"]
     assert names == {"Optimizer.step#SGD.step"} and want_names == {"Optimizer.step#SGD.step"}
+
+
+SCALED_AS = {"grad": "grad", "hooks": "hooks", "hooks+scaler": "hooks", "hooks+adopted": "hooks"}
+
+
+def _scaled_resume(save, load, ours):
+    """test_a_mid_window_checkpoint_under_a_grad_scaler_resumes_as_torch_or_is_refused's
+    run: the params at its end, or None where the load was refused."""
+    model = _mlp()
+    params = list(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    gen = torch.Generator().manual_seed(3)
+
+    def build(kind):
+        kwargs = {"grad_scaler": scaler} if kind == "hooks+scaler" else {}
+        return ak.AdamW(params, **FUSED["AdamW"], intake=SCALED_AS[kind], **kwargs)
+
+    def backward():
+        scaler.scale(model(torch.randn(4, 5, generator=gen)).pow(2).mean()).backward()
+
+    opt = build(save) if ours else _torch("AdamW")(params)
+    if save == "hooks+adopted":  # a first window, whose scaler.step() adopts the scaler
+        backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    backward()
+    if ours:
+        saved = copy.deepcopy(opt.state_dict())
+        opt.close()
+        for p in params:
+            p.grad = None  # (a resume in a new process: no .grad)
+        opt = build(load)
+        # (a new optimizer knows only a scaler it is given: adoption waits for its scaler.step())
+        if (save in ("hooks+scaler", "hooks+adopted")) != (load == "hooks+scaler"):
+            before = str(opt.state_dict())
+            with pytest.raises(ValueError, match="saved mid-window"):
+                opt.load_state_dict(saved)
+            assert str(opt.state_dict()) == before
+            return None
+        opt.load_state_dict(saved)
+    backward()
+    scaler.step(opt)
+    scaler.update()
+    return params
+
+
+@pytest.mark.parametrize("load", list(SCALED_AS))
+@pytest.mark.parametrize("save", list(SCALED_AS))
+def test_a_mid_window_checkpoint_under_a_grad_scaler_resumes_as_torch_or_is_refused(save, load):
+    """Under a GradScaler, a window saved mid-window (after a backward) and
+    loaded into a new optimizer, then one more micro-batch and scaler.step():
+    as torch.optim's loop, or refused at the load with a ValueError, nothing
+    loaded. Intake "hooks" with a scaler it knows ("+scaler": grad_scaler=;
+    "+adopted": adopted at a first window's scaler.step()) holds unscaled
+    sums, the others loss-scaled ones (before, either was loaded as the other:
+    unscaled twice, or not at all, 2e-2 off torch's)."""
+    ours = _scaled_resume(save, load, ours=True)
+    if ours is not None:
+        _assert_fused_close(ours, _scaled_resume(save, load, ours=False), steps=2 if save == "hooks+adopted" else 1)

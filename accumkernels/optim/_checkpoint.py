@@ -42,6 +42,32 @@ def _params_in_saved_order(wrapper, state_dict) -> list:
     return pairs
 
 
+def _check_sums_scale(wrapper, extra: dict) -> None:
+    """A mid-window checkpoint's sums are loss-scaled as this wrapper's would
+    be: intake "hooks" with a GradScaler it knows (given as grad_scaler=, or
+    adopted at its first scaler.step()) folds each gradient unscaled; without
+    one, and intake "grad", the sums are as autograd made them (scaled, under
+    AMP), to be unscaled at the window's end. Loaded into the other kind, a
+    window would be unscaled twice, or not at all. (Checkpoints without the
+    entry: taken as this wrapper's.)"""
+    unscaled = extra.get("sums_unscaled")
+    if extra["flat_buffer"] is None or unscaled is None or unscaled == wrapper._intake.folds_unscaled:
+        return
+    if unscaled:
+        raise ValueError(
+            "checkpoint was saved mid-window by intake='hooks' with a GradScaler (grad_scaler=, or adopted at "
+            "scaler.step()), whose sums are unscaled; this wrapper would take them as loss-scaled "
+            f"(intake={wrapper.intake!r}, no GradScaler known yet) and unscale them again: build it with "
+            "intake='hooks' and grad_scaler=scaler, or save at a window boundary (after the step() that ends a window)"
+        )
+    raise ValueError(
+        "checkpoint was saved mid-window with loss-scaled sums (intake='grad', or intake='hooks' before its "
+        "GradScaler was known); this wrapper (intake='hooks' with grad_scaler=) would take them as unscaled: "
+        "build it as the checkpoint's was (without grad_scaler=: the scaler is adopted at its first scaler.step()), "
+        "or save at a window boundary (after the step() that ends a window)"
+    )
+
+
 def check_loadable(wrapper, state_dict: dict, extra: dict | None) -> None:
     """Raises ValueError naming the first thing that does not fit; writes nothing."""
     if extra is not None:
@@ -102,6 +128,7 @@ def check_loadable(wrapper, state_dict: dict, extra: dict | None) -> None:
             "(another model, bucket size or world size?)"
         )
     wrapper._window.check_state_dict(extra, len(wrapper._layout))
+    _check_sums_scale(wrapper, extra)
     saved_steps = extra.get("accum_steps", wrapper.accum_steps)  # older checkpoints did not say
     if extra["micro_steps"] and saved_steps != wrapper.accum_steps:
         raise ValueError(

@@ -363,6 +363,13 @@ class Intake:
         self._take(r, arg)
 
     @property
+    def folds_unscaled(self) -> bool:
+        """Whether the window's sums are unscaled as they are taken (intake
+        "hooks" with a GradScaler it knows); else they are as autograd made
+        them, loss-scaled under AMP, and unscaled at the window's end."""
+        return False
+
+    @property
     def check_inf(self) -> bool:
         """Check gradients for inf/NaN as they are folded: with a GradScaler
         (given, or adopted later) or skip_nonfinite."""
@@ -566,6 +573,10 @@ class HookIntake(Intake):
             self._inbox, r.index, r.bucket.index, r.param, r.marker, r.contiguous, r.buffer_stride, slow
         )
         return _InboxHandle(self._inbox, r.index)
+
+    @property
+    def folds_unscaled(self) -> bool:
+        return _amp.is_enabled(self.loss_scale.scaler)
 
     def _plain_marker(self, r: ParamRecord) -> FoldedGrad:
         """The marker of plain param ``r``, made at its hook, or earlier where
