@@ -1511,3 +1511,122 @@ def test_a_mid_window_checkpoint_under_a_grad_scaler_resumes_as_torch_or_is_refu
     ours = _scaled_resume(save, load, ours=True)
     if ours is not None:
         _assert_fused_close(ours, _scaled_resume(save, load, ours=False), steps=2 if save == "hooks+adopted" else 1)
+
+
+# The calls of a GradScaler loop (_apply_scaled), beside _apply's own.
+SCALED_OPS = [
+    *["scaled backward"] * 3,
+    *["scaler.step"] * 3,
+    "inf backward",
+    "unscale_",
+    "clip 0.05",
+    "zero_grad",
+    "zero_grad(False)",
+    "model.zero_grad",
+    "p0 = None",
+    "reload",
+    "rebuild",
+    "to torch",
+    "norm",
+]
+
+
+def _apply_scaled(op, model, opt, scaler, gen, norms):
+    """One call of a GradScaler loop on _mlp(): "scaled backward" (of
+    scaler.scale(loss)), "inf backward" (of an inf loss), "scaler.step" (and
+    update()), "unscale_"; "clip 0.05" is opt.clip_grad_norm_ under intake
+    "hooks" (whose .grad holds no values); the others are _apply's. Returns
+    what _apply returns."""
+    if op in ("scaled backward", "inf backward"):
+        loss = model(torch.randn(4, 5, generator=gen)).pow(2).mean()
+        scaler.scale(loss * float("inf") if op == "inf backward" else loss).backward()
+    elif op == "scaler.step":
+        scaler.step(opt)
+        scaler.update()
+    elif op == "unscale_":
+        scaler.unscale_(opt)
+    elif op == "clip 0.05" and getattr(opt, "intake", None) == "hooks":
+        norms.append(opt.clip_grad_norm_(0.05).item())
+    else:
+        new = _apply(op, model, opt, gen, norms)
+        if new is not None:  # (GradScaler keys its per-optimizer state by id(): a new optimizer may reuse one)
+            scaler._per_optimizer_states.pop(id(new), None)
+        return new
+    return None
+
+
+@pytest.mark.parametrize("intake", ["grad", "hooks"])
+def test_random_grad_scaler_loops_train_as_torch_or_are_refused(intake):
+    """The differential fuzz of a GradScaler loop: 40 random loops of
+    SCALED_OPS (intake "hooks": without unscale_ and torch's clip, which it
+    refuses by design), each under ours, given the scaler or adopting it, and
+    torch.optim: ours ends within _assert_fused_close's bound of torch (NaN
+    where torch's is), logs the same norms and keeps the same scale, or
+    refuses a call before it changed a param; after every call .grad is None
+    where torch's is. (Found the scaled-sums checkpoints 0b6577d refuses,
+    and a scaler.step() with no .grad that torch's GradScaler refuses and
+    intake "hooks" stepped.)"""
+    rng = random.Random(torch.initial_seed())
+    calls = [op for op in SCALED_OPS if intake == "grad" or op not in ("unscale_", "clip 0.05")]
+    compared = 0
+    for _ in range(40):
+        ops = ["scaled backward", *(rng.choice(calls) for _ in range(rng.randint(4, 16))), "scaler.step"]
+        name, given = rng.choice(list(FUSED)), rng.random() < 0.5
+        model, plain_model = _mlp(), _mlp()
+        scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2) for _ in range(2)]
+        opt = getattr(ak, name)(
+            model.parameters(), **FUSED[name], intake=intake, **({"grad_scaler": scalers[0]} if given else {})
+        )
+        plain_opt = _torch(name)(plain_model.parameters())
+        gens, norms, plain_norms = [torch.Generator().manual_seed(3) for _ in range(2)], [], []
+        for k, op in enumerate(ops):
+            before = [p.detach().clone() for p in model.parameters()]
+            try:
+                opt = _apply_scaled(op, model, opt, scalers[0], gens[0], norms) or opt
+            except (RuntimeError, ValueError, AssertionError):  # (GradScaler's own refusals are AssertionErrors)
+                changed = [
+                    not torch.equal(a.isnan(), b.isnan()) or not torch.equal(a.nan_to_num(), b.nan_to_num())
+                    for a, b in zip(model.parameters(), before)
+                ]
+                assert not any(changed), f"{ops[: k + 1]}: refused after a change"
+                break
+            plain_opt = _apply_scaled(op, plain_model, plain_opt, scalers[1], gens[1], plain_norms) or plain_opt
+            nones = [[p.grad is None for p in m.parameters()] for m in (model, plain_model)]
+            assert nones[0] == nones[1], f"{ops[: k + 1]}: .grad is None {nones[0]}, torch's {nones[1]}"
+            assert scalers[0].get_scale() == scalers[1].get_scale(), f"{ops[: k + 1]}: the scale differs"
+        else:
+            compared += 1
+            ours, plain = list(model.parameters()), list(plain_model.parameters())
+            assert all(torch.equal(a.isnan(), b.isnan()) for a, b in zip(ours, plain)), f"{name} {ops}: NaN differs"
+            steps = ops.count("scaler.step")
+            try:
+                _assert_fused_close([a.nan_to_num() for a in ours], [b.nan_to_num() for b in plain], steps=steps)
+            except AssertionError as e:
+                raise AssertionError(f"{name} {ops}: {e}") from None
+            assert norms == pytest.approx(plain_norms, rel=1e-6, nan_ok=True), f"{name} {ops}: a norm differs"
+    assert compared, "every loop was refused: the test compares nothing"
+
+
+@pytest.mark.parametrize("intake", ["grad", "hooks"])
+def test_a_scaler_step_with_no_grad_raises_as_torchs(intake):
+    """GradScaler.step(opt) where no param has a .grad (a step() again after
+    zero_grad()): torch's GradScaler raises "No inf checks were recorded"
+    for torch.optim's optimizer, before anything is stepped or the scale
+    updated; ours raises the same (before, intake "hooks", whose step()
+    handles scaling, stepped nothing and let update() grow the scale)."""
+    for ours in (True, False):
+        model = _mlp()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+        opt = (
+            ak.AdamW(model.parameters(), **FUSED["AdamW"], intake=intake)
+            if ours
+            else _torch("AdamW")(model.parameters())
+        )
+        scaler.scale(model(torch.randn(4, 5)).pow(2).mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(AssertionError, match="No inf checks were recorded for this optimizer"):
+            scaler.step(opt)
+        assert all(map(torch.equal, model.parameters(), before)) and scaler.get_scale() == 2.0**11

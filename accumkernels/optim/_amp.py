@@ -146,6 +146,16 @@ def _refuse_another_scaler(driver, loss_scale: LossScale):
     return given
 
 
+def refuse_no_grads(optimizer, window_holds) -> None:
+    """GradScaler.step(optimizer) where no param has a ``.grad``: for a
+    torch.optim optimizer it raises this AssertionError, before anything is
+    stepped or its scale updated; for one that handles scaling (intake
+    "hooks") it sets ``found_inf`` to the sum of no per-device flags, 0, and
+    steps. The same error here, unless the window holds gradients after all."""
+    if not isinstance(vars(optimizer).get("found_inf"), torch.Tensor) and not window_holds:
+        raise AssertionError("No inf checks were recorded for this optimizer.")
+
+
 def adopt(driver, optimizer, loss_scale: LossScale, intake, device: torch.device) -> None:
     """Intake "hooks": a GradScaler calls step() directly (the wrapper handles
     scaling). One the wrapper was not given is adopted at its first call:

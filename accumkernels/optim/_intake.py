@@ -1170,6 +1170,7 @@ class HookIntake(Intake):
         self._scaler_checks = _amp.marker_checks()
         driver = _amp.scaler_driving(optimizer)
         if driver is not None and driver.is_enabled():
+            _amp.refuse_no_grads(optimizer, self.window.touched or self.arrivals)
             _amp.adopt(driver, optimizer, self.loss_scale, self, self.layout.device)
 
     def report_micro_step(self, optimizer, step_found_inf) -> None:

@@ -436,9 +436,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._intake.refuse_lost_sums()
         if window.unzeroed:
             self._refuse_uncleared_grads()
-        window.count_items(num_items, ends_window)
         intake = self._intake
-        intake.meet_scaler(self, ends_window)
+        intake.meet_scaler(self, ends_window)  # (may refuse: before the items are counted)
+        window.count_items(num_items, ends_window)
         intake.refresh()
         intake.check_grads()
         intake.flush()
