@@ -1041,7 +1041,7 @@ class HookIntake(Intake):
         process, a param whose marker stands for a gradient torch.optim's
         ``.grad`` would hold gets it as a tensor (in the param's gradient
         dtype), so an optimizer built next steps on it: the window's sum (times
-        the loss scale, as it was folded unscaled, and a ``clip_grad_norm_()``
+        the loss scale, as it was folded unscaled, and an ``opt.clip_grad_norm_()``
         coefficient still to apply: torch's ``.grad`` before its step), the
         gradient the last step() used where nothing cleared it (the buffer
         keeps it until the next window's first gradient overwrites it), or a
@@ -1086,11 +1086,9 @@ class HookIntake(Intake):
         kept = []
         for index, (param, marker) in self._markers.items():
             r = self.layout.records[index]
-            if param.grad is not marker or r.local_of is not None:
+            if param.grad is not marker or r.local_of is not None or index in lost:
                 continue
             dtype = getattr(param, "grad_dtype", None) or param.dtype
-            if index in lost:
-                continue
             if index in window.touched:
                 kept.append((r, (self.window_sum(r) * factor).to(dtype)))
             elif index in used:
