@@ -560,6 +560,7 @@ def test_a_param_frozen_mid_run_steps_as_torchs(intake, ops):
         ["backward", "backward p0", "clip 0.05", "rebuild", "step"],
         ["backward", "step", "grads /= 4", "rebuild", "step"],
         ["backward", "step", "p2 = 0.5", "reload", "rebuild", "step"],
+        ["backward", "clip 0.05", "step", "rebuild", "step"],
     ],
     ids=[
         "mid-window",
@@ -571,6 +572,7 @@ def test_a_param_frozen_mid_run_steps_as_torchs(intake, ops):
         "clipped",
         "used-scaled",
         "used-reloaded",
+        "used-clipped",
     ],
 )
 @pytest.mark.parametrize("intake", ["grad", "hooks"])

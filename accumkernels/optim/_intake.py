@@ -538,6 +538,9 @@ class HookIntake(Intake):
         self._held_unscale = 1.0
         self._one = torch.ones(1, device=self.layout.device)
         self._armed = None  # what ready_for_backward last armed the inbox for (its key)
+        # The last window's opt.clip_grad_norm_() coefficient: torch's clip scales
+        # .grad in place, so the gradient that window's step used is clipped (_kept_grads).
+        self._used_clip = None
         self._start_inbox()
         self.ready_for_backward()
 
@@ -1044,7 +1047,9 @@ class HookIntake(Intake):
         the loss scale, as it was folded unscaled, and an ``opt.clip_grad_norm_()``
         coefficient still to apply: torch's ``.grad`` before its step), the
         gradient the last step() used where nothing cleared it (the buffer
-        keeps it until the next window's first gradient overwrites it), or a
+        keeps it until the next window's first gradient overwrites it; clipped
+        by that window's ``opt.clip_grad_norm_()``, not by ``max_grad_norm=``,
+        as intake "grad"'s), or a
         zero kept by ``zero_grad(set_to_none=False)``. Across ranks or sharded,
         None (a reduced buffer holds the ranks' sum, not DDP's or FSDP2's
         ``.grad``). A param whose window sum lost the uncleared gradient under
@@ -1092,7 +1097,8 @@ class HookIntake(Intake):
             if index in window.touched:
                 kept.append((r, (self.window_sum(r) * factor).to(dtype)))
             elif index in used:
-                kept.append((r, r.buffer.to(dtype, copy=True)))
+                used_grad = r.buffer if self._used_clip is None else r.buffer * self._used_clip
+                kept.append((r, used_grad.to(dtype, copy=True)))
             elif index in window.zero_grads:
                 kept.append((r, torch.zeros_like(param, dtype=dtype)))
         return kept
@@ -1188,6 +1194,9 @@ class HookIntake(Intake):
     def clip(self, records: list[ParamRecord], coef: torch.Tensor) -> None:
         """By the next window step (there is no .grad to clip now)."""
         self.window.clip_coef = coef
+
+    def end_window(self, optimizer) -> None:
+        self._used_clip = self.window.clip_coef  # (before max_grad_norm='s is combined: applied in the step)
 
 
 class GradIntake(Intake):
