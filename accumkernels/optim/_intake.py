@@ -523,6 +523,8 @@ class HookIntake(Intake):
         # params, whose shards arrive by post-accumulate-grad hooks.
         self._inbox = None
         self._native_inbox = NATIVE_INBOX and _native.is_loaded() and all(r.local_of is None for r in args[0])
+        # One process, plain params: a buffer keeps the gradient a step() used (_kept_used).
+        self._one_process = not kwargs["sync"].reduces_buffers and all(r.local_of is None for r in args[0])
         super().__init__(*args, **kwargs)
         # Tell the sync of each bucket of the window's last micro-step, to
         # reduce it during backward; not on a pipeline stage, whose schedule
@@ -555,7 +557,7 @@ class HookIntake(Intake):
             r.marker = FoldedGrad(r.local, r.index, sink=sink, cleared=cleared, scaled=scaled)
             self._markers[r.index] = (r.param, sharded_grad(r.marker, r.param))
             return r.param.register_post_accumulate_grad_hook(functools.partial(_shard_weak, self._ref, r.index))
-        r.marker = self._plain_marker(r)  # (read by _arrive: one attribute instead of two lookups)
+        self._plain_marker(r)  # (also r.marker, read by _arrive: one attribute instead of two lookups)
         # A pre-hook of the param's gradient accumulator (kept alive: torch holds
         # it weakly). Autograd runs it after every tensor hook on the param,
         # whenever registered (a user's mask sees the gradient first, as in plain
@@ -783,20 +785,17 @@ class HookIntake(Intake):
         r = self.layout.records[index]
         if self._pending.get(r.bucket.index):
             self._fold(r.bucket)
-        if index not in self.window.touched:
-            if index in self._kept_used():
-                (r.buffer.div_ if divide else r.buffer.mul_)(
-                    factor.reshape(()) if isinstance(factor, torch.Tensor) else factor
+        if index in self.window.touched:
+            if self._reduces and self.sync.bucket_launched(r.bucket):
+                raise RuntimeError(
+                    f"param {index}'s .grad was scaled in place while its bucket is being reduced across ranks (from "
+                    "the window's last backward on): scale the loss instead, or use intake='grad', whose .grad is "
+                    "the reduced window"
                 )
+            if self.layout.flat is None:
+                self._materialize()
+        elif index not in self._kept_used():
             return
-        if self._reduces and self.sync.bucket_launched(r.bucket):
-            raise RuntimeError(
-                f"param {index}'s .grad was scaled in place while its bucket is being reduced across ranks (from "
-                "the window's last backward on): scale the loss instead, or use intake='grad', whose .grad is the "
-                "reduced window"
-            )
-        if self.layout.flat is None:
-            self._materialize()
         factor = factor.reshape(()) if isinstance(factor, torch.Tensor) else factor
         (r.buffer.div_ if divide else r.buffer.mul_)(factor)
 
@@ -1054,8 +1053,12 @@ class HookIntake(Intake):
         None (a reduced buffer holds the ranks' sum, not DDP's or FSDP2's
         ``.grad``). A param whose window sum lost the uncleared gradient under
         it (_lost_used) keeps its marker, told why: a use of it raises."""
-        kept = self._kept_grads() if keep_grads and not self.sync.reduces_buffers else []
-        lost = self._lost_used() if keep_grads else set()
+        kept, lost = [], set()
+        if keep_grads:
+            self.flush()
+            lost = self._lost_used()
+            if not self.sync.reduces_buffers:
+                kept = self._kept_grads(lost)
         super().close()
         for r, grad in kept:
             r.param.grad = grad
@@ -1074,20 +1077,20 @@ class HookIntake(Intake):
         nothing cleared since, as torch.optim's ``.grad`` keeps it (one
         process, accum_steps=None: the next window's first gradient
         overwrites it; lean, it was dropped at the step)."""
-        if self.accum_steps is None and self.layout.flat is not None and not self.sync.reduces_buffers:
-            return {i for i in self.window.unzeroed if self.layout.records[i].local_of is None}
+        if self.accum_steps is None and self.layout.flat is not None and self._one_process:
+            return self.window.unzeroed
         return set()
 
-    def _kept_grads(self) -> list[tuple[ParamRecord, torch.Tensor]]:
+    def _kept_grads(self, lost: set[int]) -> list[tuple[ParamRecord, torch.Tensor]]:
         """(record, the ``.grad`` close() leaves it) for the params that hold
-        their marker and a gradient torch.optim's ``.grad`` would hold."""
-        self.flush()
+        their marker and a gradient torch.optim's ``.grad`` would hold (not
+        those in ``lost``: _lost_used). After a flush."""
         window = self.window
         factor = self.loss_scale()  # 1 / the scale, or 1.0
         factor = 1.0 / factor if isinstance(factor, float) else factor.reciprocal()
         if window.clip_coef is not None:
             factor = factor * window.clip_coef
-        used, lost = self._kept_used(), self._lost_used()
+        used = self._kept_used()
         kept = []
         for index, (param, marker) in self._markers.items():
             r = self.layout.records[index]
