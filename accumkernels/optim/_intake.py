@@ -265,6 +265,11 @@ class Intake:
         self.loss_scale = loss_scale
         self.sync = sync
         self.accum_steps = accum_steps
+        # One process with plain params (no cross-rank reduction, no FSDP2
+        # shard): there .grad can be torch.optim's own, None until a param's
+        # first gradient (GradIntake) and the gradient a step() used after
+        # close() (HookIntake._kept_used); a reduced or sharded buffer is neither.
+        self.one_process = not sync.reduces_buffers and all(r.local_of is None for r in layout)
         self.repeated: tuple[int, int] = (0, -1)  # (the most gradients one param got since step(), that param)
         # torch.distributed initialized after the wrapper was built: noticed at
         # the first gradient, before a DDP module's reducer could act on it.
@@ -523,8 +528,6 @@ class HookIntake(Intake):
         # params, whose shards arrive by post-accumulate-grad hooks.
         self._inbox = None
         self._native_inbox = NATIVE_INBOX and _native.is_loaded() and all(r.local_of is None for r in args[0])
-        # One process, plain params: a buffer keeps the gradient a step() used (_kept_used).
-        self._one_process = not kwargs["sync"].reduces_buffers and all(r.local_of is None for r in args[0])
         super().__init__(*args, **kwargs)
         # Tell the sync of each bucket of the window's last micro-step, to
         # reduce it during backward; not on a pipeline stage, whose schedule
@@ -1077,7 +1080,7 @@ class HookIntake(Intake):
         nothing cleared since, as torch.optim's ``.grad`` keeps it (one
         process, accum_steps=None: the next window's first gradient
         overwrites it; lean, it was dropped at the step)."""
-        if self.accum_steps is None and self.layout.flat is not None and self._one_process:
+        if self.accum_steps is None and self.layout.flat is not None and self.one_process:
             return self.window.unzeroed
         return set()
 
@@ -1208,15 +1211,14 @@ class GradIntake(Intake):
 
     def __init__(self, *args, **kwargs) -> None:
         self._grad_dtypes = {}  # (before anything close() gives back)
-        # One process: a param's .grad is None until its first gradient, as
-        # torch.optim's (no zero buffer that code filling in or editing the
-        # .grad that are None / not None would see otherwise): a pre-hook of
-        # its gradient accumulator (kept alive here: torch holds it weakly)
-        # makes its zero buffer .grad just before autograd adds into it
-        # (_attach). Where buffers are reduced across ranks or sharded
+        # One process (one_process): a param's .grad is None until its first
+        # gradient, as torch.optim's (no zero buffer that code filling in or
+        # editing the .grad that are None / not None would see otherwise): a
+        # pre-hook of its gradient accumulator (kept alive here: torch holds
+        # it weakly) makes its zero buffer .grad just before autograd adds into
+        # it (_attach). Where buffers are reduced across ranks or sharded
         # (FSDP2), every param that requires grad holds its buffer as .grad,
         # the reduction's output on a rank without a gradient of its own.
-        self.grad_none_until_used = not kwargs["sync"].reduces_buffers and all(r.local_of is None for r in args[0])
         self._accumulators: dict[int, object] = {}
         super().__init__(*args, **kwargs)
         self._reduction_queued = False
@@ -1250,7 +1252,7 @@ class GradIntake(Intake):
                 _copy_into(r.buffer, grad)
                 self.window.touched.add(r.index)
                 self.window.grads_since_step = True
-            if grad is not None or (r.param.requires_grad and not self.grad_none_until_used):
+            if grad is not None or (r.param.requires_grad and not self.one_process):
                 r.param.grad = r.buffer
         # The flat buffer's version counter when the intake last accounted for
         # every write into it, and whether a write it did not make was seen (see _take_written).
@@ -1278,7 +1280,7 @@ class GradIntake(Intake):
 
     def _register(self, r: ParamRecord):
         handle = super()._register(r)
-        if not self.grad_none_until_used:
+        if not self.one_process:
             return handle
         # (Autograd runs the pre-hook only where it accumulates into .grad: never in torch.autograd.grad().)
         node = self._accumulators[r.index] = _grad_accumulator(r.param)
@@ -1506,7 +1508,7 @@ class GradIntake(Intake):
                 self._used.discard(r.index)
             self.window.unzeroed.discard(r.index)  # dropped or replaced: cleared, as in plain PyTorch
             # (a .grad dropped stays None, its buffer zero, until a gradient: _attach)
-            if grad is not None or kept or not (frozen or self.grad_none_until_used):
+            if grad is not None or kept or not (frozen or self.one_process):
                 self.set_grad(r, r.buffer)
         self._account_writes()  # (the writes above are the intake's own)
 
@@ -1602,7 +1604,7 @@ class GradIntake(Intake):
         the gradient it used."""
         if not self.zero_buffers_at_step:
             self._used |= self.window.touched
-            self._unzeroed_unread = self.grad_none_until_used
+            self._unzeroed_unread = self.one_process
         self._sums_overwritten = False
         self._account_writes()
 
@@ -1636,7 +1638,7 @@ class GradIntake(Intake):
             # .grad is a tensor where the loaded window says torch.optim's would be (its sums, kept zeros)
             if r.param.grad is None and self._holds_grad(r.index):
                 self.set_grad(r, r.buffer)
-            elif r.param.grad is r.buffer and self.grad_none_until_used and not self._holds_grad(r.index):
+            elif r.param.grad is r.buffer and self.one_process and not self._holds_grad(r.index):
                 r.param.grad = None
 
     def before_zero_grad(self) -> None:
@@ -1668,7 +1670,7 @@ class GradIntake(Intake):
             # goes on with its sum: a harmless clear); on several ranks only
             # a frozen param's, which gets no gradient from autograd.
             records = self.layout.records
-            if not self.grad_none_until_used:
+            if not self.one_process:
                 records = [r for r in records if not r.param.requires_grad]
             for r in records:
                 if r.param.grad is r.buffer and r.index not in self.window.touched:
