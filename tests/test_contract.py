@@ -19,6 +19,7 @@ largest value per step.
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import pickle
 import random
@@ -358,8 +359,63 @@ def _rebuild(opt, params, into=None):
 
 
 def _assert_pair(ours, our_norms, plain, plain_norms, steps):
-    _assert_fused_close(ours, plain, steps=steps)
-    assert our_norms == pytest.approx(plain_norms, rel=1e-6), "a norm of .grad differs from torch's"
+    """Params within _assert_fused_close's bound of torch's (NaN where
+    torch's is: a GradScaler loop's inf steps), the same logged norms."""
+    assert all(torch.equal(a.isnan(), b.isnan()) for a, b in zip(ours, plain)), "a NaN where torch's is not"
+    _assert_fused_close([a.detach().nan_to_num() for a in ours], [b.detach().nan_to_num() for b in plain], steps)
+    assert our_norms == pytest.approx(plain_norms, rel=1e-6, nan_ok=True), "a norm of .grad differs from torch's"
+
+
+def _unchanged(params, before) -> bool:
+    """Each param equals its copy in ``before`` (NaN where it was NaN)."""
+    return all(
+        torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+        for a, b in zip(params, before)
+    )
+
+
+def _differential(ops, models, opts, apply, refusals=(RuntimeError,), after_each=None) -> bool:
+    """The random loops' driver: each call of ``ops`` under ours (side 0)
+    then torch.optim's (side 1), ``apply(op, side, opt)`` returning the
+    optimizer after it. After every call ``.grad`` is None where torch's is
+    (and ``after_each(ops so far)`` holds); at the end the params and
+    logged norms are _assert_pair's (the norms: ``apply.norms``). A call ours
+    refuses (``refusals``) must leave every param as it was: False, the loop
+    compared nothing; True where it ran to the end."""
+    for k, op in enumerate(ops):
+        before = [p.detach().clone() for p in models[0].parameters()]
+        try:
+            opts[0] = apply(op, 0, opts[0])
+        except refusals:
+            assert _unchanged(models[0].parameters(), before), f"{ops[: k + 1]}: refused after a change"
+            return False
+        opts[1] = apply(op, 1, opts[1])
+        nones = [[p.grad is None for p in m.parameters()] for m in models]
+        assert nones[0] == nones[1], f"{ops[: k + 1]}: .grad is None {nones[0]}, torch's {nones[1]}"
+        if after_each is not None:
+            after_each(ops[: k + 1])
+    steps = sum("step" in op for op in ops)
+    ours, plain = (list(m.parameters()) for m in models)
+    try:
+        _assert_pair(ours, apply.norms[0], plain, apply.norms[1], steps)
+    except AssertionError as e:
+        raise AssertionError(f"{type(opts[1]).__name__} {ops}: {e}") from None
+    return True
+
+
+class _Calls:
+    """``apply`` for _differential: ``call(op, model, opt, *each, gen, norms)``
+    with each side's model, items of ``each`` (per-side lists: a GradScaler),
+    generator (seeded alike) and logged norms."""
+
+    def __init__(self, models, call, *each) -> None:
+        self.models, self.call, self.each = models, call, each
+        self.gens = [torch.Generator().manual_seed(3) for _ in models]
+        self.norms = [[] for _ in models]
+
+    def __call__(self, op, side, opt):
+        each = [items[side] for items in self.each]
+        return self.call(op, self.models[side], opt, *each, self.gens[side], self.norms[side]) or opt
 
 
 def _step_pair(intake, ops, name="AdamW"):
@@ -414,35 +470,18 @@ def test_random_torch_optim_loops_train_as_torch_or_are_refused(intake):
     "fill None" and "noise", .grad that was a zero buffer (intake "grad") or
     a marker ("hooks") where torch's is None.)"""
     rng = random.Random(torch.initial_seed())
-    refused = 0
+    compared = 0
     calls = FUZZ_OPS + ONE_PROCESS_OPS + ["rebuild", "to torch"]
     for _ in range(40):
         ops = [rng.choice(calls) for _ in range(rng.randint(3, 12))] + ["step"]
         name = rng.choice(list(FUSED))
-        model, plain_model = _mlp(), _mlp()
-        opt, plain_opt = (
-            getattr(ak, name)(model.parameters(), **FUSED[name], intake=intake),
-            _torch(name)(plain_model.parameters()),
-        )
-        gens, norms, plain_norms = [torch.Generator().manual_seed(3) for _ in range(2)], [], []
-        for k, op in enumerate(ops):
-            before = [p.detach().clone() for p in model.parameters()]
-            try:
-                opt = _apply(op, model, opt, gens[0], norms) or opt
-            except RuntimeError:
-                assert all(map(torch.equal, model.parameters(), before)), f"{ops[: k + 1]}: refused after a change"
-                refused += 1
-                break
-            plain_opt = _apply(op, plain_model, plain_opt, gens[1], plain_norms) or plain_opt
-            nones = [[p.grad is None for p in m.parameters()] for m in (model, plain_model)]
-            assert nones[0] == nones[1], f"{ops[: k + 1]}: .grad is None {nones[0]}, torch's {nones[1]}"
-        else:
-            steps = sum("step" in op for op in ops)
-            try:
-                _assert_pair(list(model.parameters()), norms, list(plain_model.parameters()), plain_norms, steps)
-            except AssertionError as e:
-                raise AssertionError(f"{name} {ops}: {e}") from None
-    assert refused < 40, "every loop was refused: the test compares nothing"
+        models = (_mlp(), _mlp())
+        opts = [
+            getattr(ak, name)(models[0].parameters(), **FUSED[name], intake=intake),
+            _torch(name)(models[1].parameters()),
+        ]
+        compared += _differential(ops, models, opts, _Calls(models, _apply))
+    assert compared, "every loop was refused: the test compares nothing"
 
 
 # The calls of the one-process loops beside FUZZ_OPS (FSDP2's keep to those).
@@ -1557,6 +1596,10 @@ def _apply_scaled(op, model, opt, scaler, gen, norms):
     return None
 
 
+def _same_scale(scalers, done) -> None:
+    assert scalers[0].get_scale() == scalers[1].get_scale(), f"{done}: the scale differs"
+
+
 @pytest.mark.parametrize("intake", ["grad", "hooks"])
 def test_random_grad_scaler_loops_train_as_torch_or_are_refused(intake):
     """The differential fuzz of a GradScaler loop: 40 random loops of
@@ -1574,38 +1617,17 @@ def test_random_grad_scaler_loops_train_as_torch_or_are_refused(intake):
     for _ in range(40):
         ops = ["scaled backward", *(rng.choice(calls) for _ in range(rng.randint(4, 16))), "scaler.step"]
         name, given = rng.choice(list(FUSED)), rng.random() < 0.5
-        model, plain_model = _mlp(), _mlp()
+        models = (_mlp(), _mlp())
         scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2) for _ in range(2)]
-        opt = getattr(ak, name)(
-            model.parameters(), **FUSED[name], intake=intake, **({"grad_scaler": scalers[0]} if given else {})
-        )
-        plain_opt = _torch(name)(plain_model.parameters())
-        gens, norms, plain_norms = [torch.Generator().manual_seed(3) for _ in range(2)], [], []
-        for k, op in enumerate(ops):
-            before = [p.detach().clone() for p in model.parameters()]
-            try:
-                opt = _apply_scaled(op, model, opt, scalers[0], gens[0], norms) or opt
-            except (RuntimeError, ValueError, AssertionError):  # (GradScaler's own refusals are AssertionErrors)
-                changed = [
-                    not torch.equal(a.isnan(), b.isnan()) or not torch.equal(a.nan_to_num(), b.nan_to_num())
-                    for a, b in zip(model.parameters(), before)
-                ]
-                assert not any(changed), f"{ops[: k + 1]}: refused after a change"
-                break
-            plain_opt = _apply_scaled(op, plain_model, plain_opt, scalers[1], gens[1], plain_norms) or plain_opt
-            nones = [[p.grad is None for p in m.parameters()] for m in (model, plain_model)]
-            assert nones[0] == nones[1], f"{ops[: k + 1]}: .grad is None {nones[0]}, torch's {nones[1]}"
-            assert scalers[0].get_scale() == scalers[1].get_scale(), f"{ops[: k + 1]}: the scale differs"
-        else:
-            compared += 1
-            ours, plain = list(model.parameters()), list(plain_model.parameters())
-            assert all(torch.equal(a.isnan(), b.isnan()) for a, b in zip(ours, plain)), f"{name} {ops}: NaN differs"
-            steps = ops.count("scaler.step")
-            try:
-                _assert_fused_close([a.nan_to_num() for a in ours], [b.nan_to_num() for b in plain], steps=steps)
-            except AssertionError as e:
-                raise AssertionError(f"{name} {ops}: {e}") from None
-            assert norms == pytest.approx(plain_norms, rel=1e-6, nan_ok=True), f"{name} {ops}: a norm differs"
+        opts = [
+            getattr(ak, name)(
+                models[0].parameters(), **FUSED[name], intake=intake, **({"grad_scaler": scalers[0]} if given else {})
+            ),
+            _torch(name)(models[1].parameters()),
+        ]
+        apply = _Calls(models, _apply_scaled, scalers)
+        refusals = (RuntimeError, ValueError, AssertionError)  # (GradScaler's own refusals are AssertionErrors)
+        compared += _differential(ops, models, opts, apply, refusals, functools.partial(_same_scale, scalers))
     assert compared, "every loop was refused: the test compares nothing"
 
 
