@@ -617,6 +617,7 @@ def test_a_param_frozen_mid_run_steps_as_torchs(intake, ops):
         ["backward", "step", "grads /= 4", "rebuild", "step"],
         ["backward", "step", "p2 = 0.5", "reload", "rebuild", "step"],
         ["backward", "clip 0.05", "step", "rebuild", "step"],
+        ["backward", "step", "zero_grad", "backward", "step", "model.zero_grad", "backward", "rebuild", "step"],
     ],
     ids=[
         "mid-window",
@@ -629,6 +630,7 @@ def test_a_param_frozen_mid_run_steps_as_torchs(intake, ops):
         "used-scaled",
         "used-reloaded",
         "used-clipped",
+        "cleared-later",
     ],
 )
 @pytest.mark.parametrize("intake", ["grad", "hooks"])
@@ -668,6 +670,20 @@ def test_close_leaves_grad_as_torchs(intake, ops, to_torch):
                 opt = _rebuild(opt, params, _torch("AdamW") if to_torch else None)
         runs.append((params, norms))
     _assert_pair(*runs[0], *runs[1], steps=ops.count("step"))
+
+
+@pytest.mark.parametrize("then", ["reload", "rebuild"])
+def test_a_clear_seen_by_the_native_inbox_holds_through_state_dict(then):
+    """model.zero_grad() after a step() of a second window, then a backward:
+    the native inbox puts the marker back and tells the intake once. A
+    state_dict() (reload, or the rebuild's save before close()) must not
+    forget that clear: before, the step() after a reload was refused as a
+    step on the last step's gradient, and close() kept the markers, which
+    the dropped wrapper set to None, so the rebuilt optimizer stepped
+    nothing. As torch.optim's loop now."""
+    _step_pair(
+        "hooks", ["backward", "step", "zero_grad", "backward", "step", "model.zero_grad", "backward", then, "step"]
+    )
 
 
 @pytest.mark.parametrize("given", [False, True], ids=["adopted", "grad_scaler="])

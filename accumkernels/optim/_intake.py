@@ -879,9 +879,14 @@ class HookIntake(Intake):
 
     def uncleared(self, indices: set[int]) -> set[int]:
         """Those still holding their marker, unless the native inbox put it
-        back into a cleared ``.grad`` as a gradient arrived."""
+        back into a cleared ``.grad`` as a gradient arrived: a clear noted in
+        window.unzeroed here, as the Python hook notes it (the inbox tells it
+        once, so a second call, a state_dict() before step() or close(), must
+        find it there)."""
         if self._inbox is not None:
-            indices = indices.difference(_native._C.inbox_remarked(self._inbox))
+            remarked = _native._C.inbox_remarked(self._inbox)
+            indices = indices.difference(remarked)
+            self.window.unzeroed.difference_update(remarked)
         markers = self._markers
         return {i for i in indices if i in markers and markers[i][0].grad is markers[i][1]}
 
