@@ -799,6 +799,21 @@ def test_hooks_refuses_to_save_a_sum_over_an_uncleared_gradient():
     assert all(p.grad is None for p in params)
 
 
+@pytest.mark.parametrize("intake", ["grad", "hooks"])
+@pytest.mark.parametrize("unfreeze", [False, True], ids=["frozen", "unfrozen"])
+def test_a_param_frozen_mid_window_and_rebuilt_steps_as_torchs(intake, unfreeze):
+    """A param frozen after its backward, then the optimizer rebuilt (closed,
+    a new one built over the params, with the param frozen, loading the
+    mid-window state dict) and stepped, the param unfrozen first or not:
+    torch.optim steps its .grad once. Intake "hooks" left it the copy of
+    its sum close() made beside the checkpoint's sum, and took both: its
+    update was the doubled sum's, 3e-3 off torch's, or (kept frozen) the
+    step() was refused as if .grad were replaced after a backward. Now the
+    load puts a marker back, as for a hooked param."""
+    ops = ["backward", "step", "zero_grad", "backward", "freeze p1", "rebuild"]
+    _step_pair(intake, ops + (["unfreeze p1", "step"] if unfreeze else ["step"]))
+
+
 @pytest.mark.parametrize("backward", [False, True], ids=["no-gradient", "gradient"])
 def test_a_param_frozen_when_built_and_unfrozen_steps_as_torchs(backward):
     """Intake "grad": a param frozen when the optimizer is built has no hook

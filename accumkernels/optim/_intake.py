@@ -1005,13 +1005,18 @@ class HookIntake(Intake):
         (and, after a backward, refused as without it). One assigned a tensor
         (the copy of the sum a closed optimizer's close() left, which the
         checkpoint holds too) gets the checkpoint's sum, as intake "grad"'s
-        buffer does: else step() would take that tensor in on top of it."""
+        buffer does: else step() would take that tensor in on top of it (a
+        plain param frozen when this intake was built has no marker yet: it
+        gets one, as a .grad assigned while frozen does at step())."""
         if self.lean:  # a window with sums: held in the flat buffer
             self.layout.allocate()
             self._held_unscale = 1.0
         super().restore_sums(sums)
         for i in self.window.touched:
+            r = self.layout.records[i]
             param, marker = self._markers.get(i, (None, None))
+            if marker is None and r.local_of is None:
+                param, marker = r.param, self._plain_marker(r)
             if marker is not None and param.grad is not marker:
                 param.grad = marker
 
