@@ -412,10 +412,19 @@ class _Calls:
         self.models, self.call, self.each = models, call, each
         self.gens = [torch.Generator().manual_seed(3) for _ in models]
         self.norms = [[] for _ in models]
+        # Optimizers replaced ("rebuild", "to torch"), kept alive: a GradScaler
+        # keys its per-optimizer state by id(), and update() reads every entry
+        # (a replaced one's too, as in a torch loop), which a new optimizer
+        # reusing the id of a freed one would drop on one side only.
+        self.replaced = []
 
     def __call__(self, op, side, opt):
         each = [items[side] for items in self.each]
-        return self.call(op, self.models[side], opt, *each, self.gens[side], self.norms[side]) or opt
+        new = self.call(op, self.models[side], opt, *each, self.gens[side], self.norms[side])
+        if new is None:
+            return opt
+        self.replaced.append(opt)
+        return new
 
 
 def _random_loops(one_loop, loops: int, least: int = 10, most: int = 1000) -> None:
@@ -644,8 +653,9 @@ def test_close_leaves_grad_as_torchs(intake, ops, to_torch):
     .grad to None (intake "grad" until 257d0d7, "hooks" until this test's
     commit): torch's optimizer built next stepped nothing, silently. Intake
     "hooks" refuses zero_grad() between a backward and step(), as without
-    close(); intake "grad", a step() after a mid-window load that left the
-    gradient the last step() used uncleared (docs/optimizers.md)."""
+    close(); both, a step() on the gradient the last step() used, uncleared,
+    in the optimizer rebuilt (ours), as the optimizer saved would (intake
+    "grad": after a mid-window load; docs/optimizers.md)."""
     runs = []
     for ours in (True, False):
         model = _mlp()
@@ -657,8 +667,17 @@ def test_close_leaves_grad_as_torchs(intake, ops, to_torch):
                 with pytest.raises(RuntimeError, match=r"zero_grad\(\) between a backward and step\(\)"):
                     _apply(op, model, opt, gen, norms)
                 return
-            if ours and op == "step" and intake == "grad" and not to_torch and "reload" in ops[:k]:
-                # (a mid-window load leaves a .grad the checkpoint has no sum for as one a step() used)
+            last = max((j for j in range(k) if ops[j] == "step"), default=None)
+            uncleared = last is not None and not any(o.startswith(("zero_grad", "model.")) for o in ops[last + 1 : k])
+            if (
+                ours
+                and op == "step"
+                and not to_torch
+                and ((intake == "grad" and "reload" in ops[:k]) or (intake == "hooks" and uncleared))
+            ):
+                # (a mid-window load leaves a .grad the checkpoint has no sum for
+                # as one a step() used; "hooks" takes what close() left of the
+                # last step's gradient as that, as the optimizer saved held it)
                 with pytest.raises(RuntimeError, match="nothing cleared since the last step"):
                     opt.step()
                 return
@@ -670,6 +689,77 @@ def test_close_leaves_grad_as_torchs(intake, ops, to_torch):
                 opt = _rebuild(opt, params, _torch("AdamW") if to_torch else None)
         runs.append((params, norms))
     _assert_pair(*runs[0], *runs[1], steps=ops.count("step"))
+
+
+# Loops whose clear of the gradient the last step() used, or of a kept zero,
+# ours refused (intake "grad": an in-place zeroing after a backward added onto
+# it, or the load of a rebuild; "hooks": the .grad a closed optimizer left,
+# taken by state_dict() as a new gradient). Each is torch's now.
+CLEARS_AROUND_RELOADS = {
+    "zeroed-after-backward": (["backward", "step", "backward", "model.zero_grad(False)", "step"], ["grad"]),
+    "data-zeroed-after-backward": (["backward", "step", "backward", "data.zero_()", "step"], ["grad"]),
+    "zeroed-then-reload": (
+        ["backward", "step", "backward", "model.zero_grad(False)", "reload", "backward p0", "step"],
+        ["grad"],
+    ),
+    "zeroed-then-rebuild": (
+        ["backward", "step", "wd 0", "p2 = 0.5", "model.zero_grad(False)", "rebuild", "step"],
+        ["grad", "hooks"],
+    ),
+    "rebuild-then-data-zeroed": (
+        ["backward", "step", "p2 = 0.5", "rebuild", "data.zero_()", "backward x2", "step"],
+        ["grad"],
+    ),
+    "rebuild-reload-clear": (
+        ["backward", "step", "rebuild", "reload", "zero_grad(False)", "backward", "step"],
+        ["grad", "hooks"],
+    ),
+    "kept-zero-rebuilt-twice": (
+        ["backward", "step", "zero_grad(False)", "rebuild", "rebuild", "model.zero_grad", "backward", "step"],
+        ["grad", "hooks"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CLEARS_AROUND_RELOADS))
+def test_a_clear_around_a_rebuild_or_reload_is_torchs(case):
+    """CLEARS_AROUND_RELOADS train as torch.optim's loop (each was refused
+    before: "step() again with nothing cleared", or, intake "hooks", a clear
+    "between a backward and step()"). Intake "hooks" takes what a closed
+    optimizer left in .grad as what the checkpoint's optimizer held (a kept
+    zero, the gradient its last step() used: adopt_left_grads), not as a new
+    gradient; intake "grad" tells a clear by a buffer zeroed since."""
+    ops, intakes = CLEARS_AROUND_RELOADS[case]
+    for intake in intakes:
+        _step_pair(intake, ops)
+
+
+@pytest.mark.parametrize("clear", ["model.zero_grad", "p.grad = None"])
+def test_hooks_a_param_frozen_when_built_is_dropped_as_torchs(clear):
+    """Intake "hooks", a param frozen when the optimizer was built, given a
+    .grad by hand and stepped, then .grad set to None (model.zero_grad(), or
+    by hand) and another window stepped: torch.optim skips the param. Its
+    marker was not looked at again, so ours stepped it on, a zero gradient
+    with momentum and weight decay, 7e-3 off torch's."""
+    runs = []
+    for ours in (True, False):
+        model = _mlp()
+        params = list(model.parameters())
+        params[1].requires_grad_(False)
+        opt = ak.AdamW(params, **FUSED["AdamW"], intake="hooks") if ours else _torch("AdamW")(params)
+        gen = torch.Generator().manual_seed(3)
+        model(torch.randn(4, 5, generator=gen)).pow(2).mean().backward()
+        params[1].grad = torch.full_like(params[1], 0.25)
+        opt.step()
+        if clear == "model.zero_grad":
+            model.zero_grad()
+        else:
+            for p in params:
+                p.grad = None
+        model(torch.randn(4, 5, generator=gen)).pow(2).mean().backward()
+        opt.step()
+        runs.append([p.detach().clone() for p in params])
+    _assert_fused_close(*runs, steps=2)
 
 
 @pytest.mark.parametrize("then", ["reload", "rebuild"])
@@ -1634,10 +1724,7 @@ def _apply_scaled(op, model, opt, scaler, gen, norms):
     elif op == "unscale_":
         scaler.unscale_(opt)
     else:
-        new = _apply(op, model, opt, gen, norms)
-        if new is not None:  # (GradScaler keys its per-optimizer state by id(): a new optimizer may reuse one)
-            scaler._per_optimizer_states.pop(id(new), None)
-        return new
+        return _apply(op, model, opt, gen, norms)
     return None
 
 

@@ -334,7 +334,10 @@ def load(wrapper, state_dict: dict) -> None:
     load_state_in_its_dtype(wrapper, state_dict)
     if extra is not None and extra["flat_buffer"] is not None:
         # Saved mid-window (state_dict() keeps sums only there): the window in
-        # progress becomes the checkpoint's, its sums included.
+        # progress becomes the checkpoint's, its sums included. A clear of the
+        # gradient the last step() used, which the intake tells by the buffers
+        # the load writes over, is noted first (window.unzeroed).
+        wrapper._window.unzeroed = wrapper._intake.uncleared(wrapper._window.unzeroed)
         wrapper._intake.before_restore()
         wrapper._window.clear()
         wrapper._window.load_state_dict(extra)
@@ -344,6 +347,8 @@ def load(wrapper, state_dict: dict) -> None:
         # gradients, and the window in progress keeps its own (.grad, the buffers), as a
         # torch.optim load leaves .grad as it is; the run's window count and seed are the checkpoint's.
         wrapper._window.load_run(extra)
+    if extra is not None:
+        wrapper._intake.adopt_left_grads(set(extra.get("zero_grads", ())), set(extra.get("unzeroed", ())))
     masters = carried if extra is None else extra["master_weights"]
     for r in wrapper._layout:  # master weights: the checkpoint's, or the (already loaded) params'
         if r.master is None:

@@ -489,6 +489,13 @@ class Intake:
         self.layout.flat.copy_(sums)
         self.layout.zero_views(r for r in self.layout if r.index not in self.window.touched)
 
+    def adopt_left_grads(self, kept_zero: set[int], used: set[int]) -> None:
+        """After a load: the checkpoint's optimizer held these params' ``.grad``
+        as a zero kept by ``zero_grad(set_to_none=False)`` (``kept_zero``) or
+        as the gradient its last step() used, uncleared (``used``), outside
+        its window's sums: what its close() leaves an optimizer rebuilt over
+        the params (intake "hooks": see its own)."""
+
     def uncleared(self, indices: set[int]) -> set[int]:
         """Of ``indices`` (params the last step updated with a gradient), those
         whose ``.grad`` nothing cleared since: a ``.grad`` dropped or replaced,
@@ -903,8 +910,12 @@ class HookIntake(Intake):
         if self._inbox is not None:  # it knows which .grad is not its marker: the only ones to look at
             markers = {i: markers[i] for i in _native._C.inbox_stray(self._inbox)}
         # A frozen param's .grad assigned by other code (or left by a closed
-        # optimizer) is a gradient torch.optim steps: it gets a marker too.
-        frozen = [r for r in self._unhooked if r.local_of is None and r.param.grad is not None]
+        # optimizer) is a gradient torch.optim steps: it gets a marker too;
+        # one holding a marker already is looked at as a hooked one (a
+        # .grad = None since is torch's drop: the param is no longer stepped).
+        frozen = [
+            r for r in self._unhooked if r.local_of is None and (r.param.grad is not None or r.index in self._markers)
+        ]
         if frozen:
             markers = {**markers, **{r.index: (r.param, self._plain_marker(r)) for r in frozen}}
         for index, (param, marker) in markers.items():
@@ -1019,6 +1030,32 @@ class HookIntake(Intake):
                 param, marker = r.param, self._plain_marker(r)
             if marker is not None and param.grad is not marker:
                 param.grad = marker
+
+    def adopt_left_grads(self, kept_zero: set[int], used: set[int]) -> None:
+        """A ``.grad`` no hook took (assigned: what a closed optimizer's close()
+        left) on a param the checkpoint's optimizer held so is taken as that,
+        not as a new gradient, which check_grads would fold into the window
+        (where a clear of it before step(), torch's clear, is refused): a
+        kept zero (all zeros) is stepped as one; a used gradient goes into the
+        param's buffer, which keeps it as the used one (_kept_used: one
+        process, accum_steps=None), so that a step() on it uncleared is
+        refused and a clear is one, as in the optimizer saved. Each param
+        holds its marker."""
+        window = self.window
+        candidates = [r for r in self._assigned() if r.local_of is None and r.index not in window.touched]
+        if not (self.accum_steps is None and self.layout.flat is not None and self.one_process):
+            used = set()
+        zeros = [r for r in candidates if r.index in kept_zero and r.index not in used]
+        all_zero = torch.stack([r.param.grad.eq(0).all() for r in zeros]).tolist() if zeros else []
+        adopted = [r for r, z in zip(zeros, all_zero) if z] + [r for r in candidates if r.index in used]
+        for r in adopted:
+            if r.index in used:
+                r.buffer.copy_(r.param.grad)
+                window.unzeroed.add(r.index)
+            if r.index in kept_zero:  # (stepped with a zero gradient in a window it gets none, until a clear)
+                window.zero_grads.add(r.index)
+            window.had_grad.add(r.index)
+            r.param.grad = self._plain_marker(r)
 
     def _write_sums(self, sums: torch.Tensor) -> None:
         """As Intake's, but a buffer that keeps the gradient the last step()
@@ -1559,7 +1596,11 @@ class GradIntake(Intake):
         a window without any, since the last step (a write in place,
         ``model.zero_grad(set_to_none=False)``'s say, may have cleared any).
         Writes after the window's backward (GradScaler's unscale, a clip)
-        clear nothing."""
+        clear nothing, unless they left the buffer all zeros: zeroed in place
+        (a clear after the backward that added onto the old gradient, through
+        ``.data`` too, which the version counter does not see), where
+        torch.optim's step() steps zeros (one host sync, only where this
+        would find any uncleared)."""
         if self._unzeroed_unread:  # (no gradient since the last step(): see _find_cleared)
             self._find_cleared()
             indices = indices & self.window.unzeroed
@@ -1567,8 +1608,16 @@ class GradIntake(Intake):
             return set()
         if not self.window.grads_since_step and self.layout.flat._version != self._seen_version:
             return set()
-        records = self.layout.records
-        return {i for i in indices if records[i].param.grad is records[i].buffer}
+        records = [self.layout.records[i] for i in sorted(indices)]
+        records = [r for r in records if r.param.grad is r.buffer]
+        # (only a buffer that held the used gradient, or the window's sum over
+        # it: after add_param_group it is a zero buffer that stands for it, uncarried)
+        holding = [r for r in records if r.index in self._used or r.index in self.window.touched]
+        if holding:
+            nonzero = torch.stack([r.buffer.ne(0).any() for r in holding]).tolist()
+            zeroed = {r.index for r, held in zip(holding, nonzero) if not held}
+            records = [r for r in records if r.index not in zeroed]
+        return {r.index for r in records}
 
     def _take_written(self) -> None:
         """A gradient written into ``.grad`` in place, not by autograd
@@ -1589,6 +1638,8 @@ class GradIntake(Intake):
             self._take_cleared()
             if flat._version == self._seen_version:  # (accounted for: a clear)
                 return
+        if self.window.unzeroed:  # (a clear of the gradient the last step() used is told by these writes)
+            self.window.unzeroed = self.uncleared(self.window.unzeroed)
         waiting = [
             r
             for r in self.layout
@@ -1635,15 +1686,24 @@ class GradIntake(Intake):
         one the last step() used, or one taken when the optimizer was built
         over params holding gradients: a rebuilt optimizer) is left as it was,
         as torch.optim's load leaves ``.grad``, as a gradient already used: a
-        step() with it uncleared is refused, as before the load."""
-        held, self._held_before_load = self._held_before_load, set()
+        step() with it uncleared is refused, as before the load; one of zeros
+        (cleared in place before the rebuild) is a kept zero, stepped as
+        torch.optim steps it."""
+        held, self._held_before_load = self._held_before_load - self.window.touched, set()
+        kept = [self.layout.records[i] for i in sorted(held)]
+        nonzero = torch.stack([r.buffer.ne(0).any() for r in kept]).tolist() if kept else []
+        for r, used in zip(kept, nonzero):
+            if used:
+                self._used.add(r.index)
+                self.window.unzeroed.add(r.index)
+                self._unzeroed_unread = self.one_process  # (a clear through .data: see _find_cleared)
+            else:
+                self.window.had_grad.add(r.index)
+                self.window.zero_grads.add(r.index)
         for r in self.layout:
             if r.index in self.window.touched:
                 r.buffer.copy_(self.layout.view(r, sums))
-            elif r.index in held:
-                self._used.add(r.index)
-                self.window.unzeroed.add(r.index)
-            else:
+            elif r.index not in held:
                 r.buffer.zero_()
             # .grad is a tensor where the loaded window says torch.optim's would be (its sums, kept zeros)
             if r.param.grad is None and self._holds_grad(r.index):

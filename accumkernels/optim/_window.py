@@ -195,12 +195,18 @@ class Window:
             "divisor": self.divisor,
             "had_grad": sorted(self.had_grad),
             "zero_grads": sorted(self.zero_grads),
+            "unzeroed": sorted(self.unzeroed),
             "grads_since_step": self.grads_since_step,
         }
 
     def check_state_dict(self, saved: dict, param_count: int) -> None:
         """Raises if ``saved`` cannot be loaded; loads nothing."""
-        indices = [*saved["touched"], *saved.get("had_grad", ()), *saved.get("zero_grads", ())]
+        indices = [
+            *saved["touched"],
+            *saved.get("had_grad", ()),
+            *saved.get("zero_grads", ()),
+            *saved.get("unzeroed", ()),
+        ]
         bad = [i for i in indices if not (isinstance(i, int) and 0 <= i < param_count)]
         if bad:
             raise ValueError(f"checkpoint window names params {bad[:5]} of {param_count}; it is of another model")
