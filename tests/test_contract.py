@@ -374,22 +374,118 @@ def _unchanged(params, before) -> bool:
     )
 
 
+# The refusals of ours that torch.optim's loop has no counterpart for, by
+# design (docs/optimizers.md), and what torch's .grad must hold where one is
+# made (_TorchGrads.explains): "used", a gradient its last step() used that
+# nothing cleared (a step() on it again, or a new gradient added onto it);
+# "dropped", one a backward put there since its last step() that a call
+# since dropped, replaced or zeroed (intake "hooks" folded it already);
+# "hooks", none: intake "hooks" refuses the call itself (a read of .grad's
+# values, a scaled checkpoint loaded without its GradScaler).
+BY_DESIGN = {
+    "nothing cleared since the last step": "used",
+    "added onto the one the last step() used": "used",
+    "after its backward, before step()": "dropped",
+    "zeroed in place": "dropped",
+    "zero_grad() between a backward and step()": "dropped",
+    "holds no values": "hooks",
+    "saved mid-window by intake='hooks'": "hooks",
+}
+
+
+# The calls that put a gradient into .grad (a backward's, or one assigned or
+# added by hand), and those that clear it in place.
+GIVES_GRAD = (
+    "backward",
+    "backward x2",
+    "backward p0",
+    "scaled backward",
+    "inf backward",
+    "p2 = 0.5",
+    "fill None",
+    "noise",
+)
+CLEARS_IN_PLACE = ("zero_grad(False)", "model.zero_grad(False)", "p0.zero_()", "data.zero_()")
+
+
+class _TorchGrads:
+    """What torch.optim's side of a random loop holds in .grad: the tensors
+    its last step used and nothing cleared since (``used``) and, per param,
+    those a call put a gradient into since (``fresh``, GIVES_GRAD), to tell whether a
+    refusal of ours stands where torch's loop holds what the refusal says
+    (BY_DESIGN)."""
+
+    def __init__(self, model) -> None:
+        self.params = list(model.parameters())
+        self.used, self.fresh, self._seen = {}, {}, {}
+        # a clear in place after a gradient since the last step(), which intake
+        # "grad" tells by the zeros it leaves, so not once a write or a
+        # gradient added since hides them (docs/optimizers.md)
+        self.cleared_after_grad = False
+
+    def before(self) -> None:
+        self._seen = {i: (p.grad, p.grad._version) for i, p in enumerate(self.params) if p.grad is not None}
+
+    def after(self, op: str) -> None:
+        grads = {i: p.grad for i, p in enumerate(self.params) if p.grad is not None}
+        if "step" in op:
+            self.used, self.fresh, self.cleared_after_grad = grads, {}, False
+        elif op in GIVES_GRAD:
+            for i, g in grads.items():
+                seen, version = self._seen.get(i, (None, None))
+                if g is not seen or g._version != version:
+                    self.fresh.setdefault(i, []).append(g)
+        elif op in CLEARS_IN_PLACE:
+            cleared = {0} if op == "p0.zero_()" else set(self.used)
+            self.used = {i: g for i, g in self.used.items() if i not in cleared or bool(g.ne(0).any())}
+            self.cleared_after_grad |= bool(self.fresh)
+
+    def explains(self, message: str, intake: str) -> bool:
+        """Whether torch's .grad holds what ``message`` (a refusal of ours
+        with ``intake``) says, after torch's loop made the same call."""
+        kinds = {kind for words, kind in BY_DESIGN.items() if words in message}
+        grads = [p.grad for p in self.params]
+        return (
+            (
+                "used" in kinds
+                and (
+                    any(grads[i] is g for i, g in self.used.items())
+                    or (self.cleared_after_grad and any(g is not None and bool(g.ne(0).any()) for g in grads))
+                )
+            )
+            or (
+                "dropped" in kinds
+                and any(grads[i] is not g or not bool(g.ne(0).any()) for i, given in self.fresh.items() for g in given)
+            )
+            or ("hooks" in kinds and intake == "hooks")
+        )
+
+
 def _differential(ops, models, opts, apply, refusals=(RuntimeError,), after_each=None) -> bool:
     """The random loops' driver: each call of ``ops`` under ours (side 0)
     then torch.optim's (side 1), ``apply(op, side, opt)`` returning the
     optimizer after it. After every call ``.grad`` is None where torch's is
     (and ``after_each(ops so far)`` holds); at the end the params and
     logged norms are _assert_pair's (the norms: ``apply.norms``). A call ours
-    refuses (``refusals``) must leave every param as it was: False, the loop
-    compared nothing; True where it ran to the end."""
+    refuses (``refusals``) must leave every param as it was and be refused
+    by torch's loop too, or be one BY_DESIGN where torch's .grad holds what
+    it says: False, the loop compared nothing; True where it ran to the end."""
+    intake, torchs = opts[0].intake, _TorchGrads(models[1])
     for k, op in enumerate(ops):
         before = [p.detach().clone() for p in models[0].parameters()]
+        torchs.before()
         try:
             opts[0] = apply(op, 0, opts[0])
-        except refusals:
+        except refusals as e:
             assert _unchanged(models[0].parameters(), before), f"{ops[: k + 1]}: refused after a change"
+            try:
+                apply(op, 1, opts[1])
+            except refusals:
+                return False  # (torch's refuses it too)
+            assert torchs.explains(str(e), intake), f"{ops[: k + 1]}: refused where torch's loop is not: {e}"
             return False
         opts[1] = apply(op, 1, opts[1])
+        torchs.after(op)
         nones = [[p.grad is None for p in m.parameters()] for m in models]
         assert nones[0] == nones[1], f"{ops[: k + 1]}: .grad is None {nones[0]}, torch's {nones[1]}"
         if after_each is not None:
@@ -485,13 +581,16 @@ def test_random_torch_optim_loops_train_as_torch_or_are_refused(intake):
     a torch.optim user makes (FUZZ_OPS), each under ours (accum_steps=None)
     and torch.optim, AdamW or SGD with momentum: ours ends within
     _assert_fused_close's bound of torch and logs the same norms (to 1e-6),
-    or refuses a call with a RuntimeError before it changed a param; after
-    every call ``.grad`` is None where torch's is (_random_loops: 40 loops,
-    at least 10 compared). (Found the five silent
-    differences 405e4d1 closed; with ONE_PROCESS_OPS and the freeze calls,
-    those of 1b7e4d8 to 22e4b96: frozen params, close(), reloads; with
-    "fill None" and "noise", .grad that was a zero buffer (intake "grad") or
-    a marker ("hooks") where torch's is None.)"""
+    or refuses a call with a RuntimeError before it changed a param, where
+    torch's loop refuses it too or holds what a BY_DESIGN refusal says (a
+    refusal is checked, not a way out); after every call ``.grad`` is None
+    where torch's is (_random_loops: 40 loops, at least 10 compared).
+    (Found the five silent differences 405e4d1 closed; with ONE_PROCESS_OPS
+    and the freeze calls, those of 1b7e4d8 to 22e4b96: frozen params,
+    close(), reloads; with "fill None" and "noise", .grad that was a zero
+    buffer (intake "grad") or a marker ("hooks") where torch's is None; with
+    the refusals checked, the clears around rebuilds and reloads of
+    test_a_clear_around_a_rebuild_or_reload_is_torchs.)"""
     rng = random.Random(torch.initial_seed())
     calls = FUZZ_OPS + ONE_PROCESS_OPS + ["rebuild", "to torch"]
 
@@ -1740,8 +1839,8 @@ def test_random_grad_scaler_loops_train_as_torch_or_are_refused(intake):
     design), each under ours, given the scaler or adopting it, and
     torch.optim: ours ends within _assert_fused_close's bound of torch (NaN
     where torch's is), logs the same norms and keeps the same scale, or
-    refuses a call before it changed a param; after every call .grad is None
-    where torch's is. (Found the scaled-sums checkpoints 0b6577d refuses,
+    refuses a call before it changed a param, as _differential checks a
+    refusal; after every call .grad is None where torch's is. (Found the scaled-sums checkpoints 0b6577d refuses,
     and a scaler.step() with no .grad that torch's GradScaler refuses and
     intake "hooks" stepped.)"""
     rng = random.Random(torch.initial_seed())
