@@ -861,6 +861,37 @@ def test_hooks_a_param_frozen_when_built_is_dropped_as_torchs(clear):
     _assert_fused_close(*runs, steps=2)
 
 
+@pytest.mark.parametrize("clear", ["zero_grad(False)", "zero_grad", "nothing"])
+def test_hooks_a_param_frozen_when_built_takes_a_gradient_once_unfrozen(clear):
+    """Intake "hooks", a param frozen when the optimizer was built, given a
+    .grad by hand and stepped (its .grad is a marker now), then unfrozen and
+    a backward before the next step(), which hooks it: autograd adds into
+    .grad, which raised in backward (a marker holds no values). The add is
+    taken as its hook would take it: stepped as torch's, or (nothing
+    cleared) the step() refused as a step on the last step's gradient."""
+    runs = []
+    for ours in (True, False):
+        model = _mlp()
+        params = list(model.parameters())
+        params[1].requires_grad_(False)
+        opt = ak.AdamW(params, **FUSED["AdamW"], intake="hooks") if ours else _torch("AdamW")(params)
+        gen = torch.Generator().manual_seed(3)
+        model(torch.randn(4, 5, generator=gen)).pow(2).mean().backward()
+        params[1].grad = torch.full_like(params[1], 0.25)
+        opt.step()
+        if clear != "nothing":
+            _apply(clear, model, opt, gen, [])
+        params[1].requires_grad_(True)
+        model(torch.randn(4, 5, generator=gen)).pow(2).mean().backward()
+        if ours and clear == "nothing":
+            with pytest.raises(RuntimeError, match="nothing cleared since the last step"):
+                opt.step()
+            return
+        opt.step()
+        runs.append([p.detach().clone() for p in params])
+    _assert_fused_close(*runs, steps=2)
+
+
 @pytest.mark.parametrize("then", ["reload", "rebuild"])
 def test_a_clear_seen_by_the_native_inbox_holds_through_state_dict(then):
     """model.zero_grad() after a step() of a second window, then a backward:

@@ -23,6 +23,12 @@ clear: the marker's ``cleared`` tells the intake, which keeps the param's zero
 gradient stepped as torch.optim would, or refuses where the param's gradient
 is in the window already.
 
+A gradient added into a plain param's ``.grad`` (autograd's own add, where
+the param was unfrozen since the last step() and so is hooked only at the
+next; ``p.grad.add_(g)`` by other code) is handed to the intake (the
+marker's ``added``), which takes it as the param's hook would: what
+torch.optim's ``.grad`` would sum.
+
 Scaling ``.grad`` in place by a number (``p.grad.div_(n)``, ``mul_(c)``: a
 pipeline schedule's ``scale_grads``, which divides each stage param's
 gradient by the number of micro-batches) scales the param's window sum so
@@ -90,20 +96,22 @@ class FoldedGrad(torch.Tensor):
     """``param.grad`` once intake="hooks" folded its gradient (see the module docstring)."""
 
     @staticmethod
-    def __new__(cls, param: torch.Tensor, index: int, sink=None, cleared=None, scaled=None):
+    def __new__(cls, param: torch.Tensor, index: int, sink=None, cleared=None, scaled=None, added=None):
         return torch.Tensor._make_wrapper_subclass(
             cls, param.shape, strides=param.stride(), dtype=param.dtype, device=param.device, requires_grad=False
         )
 
-    def __init__(self, param: torch.Tensor, index: int, sink=None, cleared=None, scaled=None) -> None:
+    def __init__(self, param: torch.Tensor, index: int, sink=None, cleared=None, scaled=None, added=None) -> None:
         # param: the param (an FSDP2 param: its local shard); sink(gradient):
         # an FSDP2 param's, takes what is added into .grad; cleared(): told of
-        # an in-place zeroing; scaled(factor, divide): of an in-place scaling.
+        # an in-place zeroing; scaled(factor, divide): of an in-place scaling;
+        # added(gradient): a plain param's, told of a gradient added into .grad.
         self.index = index
         self.lost = None  # why the gradient it stands for is not known (HookIntake.close)
         self.sink = sink
         self.cleared = cleared
         self.scaled = scaled
+        self.added = added
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -122,6 +130,15 @@ class FoldedGrad(torch.Tensor):
         ]
         if func is _ADD and isinstance(target, FoldedGrad) and target.sink is not None and _plain_add(args, kwargs):
             target.sink(args[1])
+            return target
+        if (
+            func is _ADD
+            and isinstance(target, FoldedGrad)
+            and target.added is not None
+            and _plain_add(args, kwargs)
+            and args[1].shape == target.shape
+        ):
+            target.added(args[1])
             return target
         if func is _ZERO and isinstance(target, FoldedGrad) and target.cleared is not None:
             target.cleared()

@@ -139,6 +139,13 @@ def _scaled_weak(ref, index, factor, divide) -> None:
         intake.scaled_in_place(index, factor, divide)
 
 
+def _added_weak(ref, index, grad) -> None:
+    """A marker's call when a gradient is added into ``.grad``, held weakly."""
+    intake = ref()
+    if intake is not None:
+        intake._arrive(index, grad)
+
+
 def _shard_weak(ref, index, param) -> None:
     """An FSDP2 param's post-accumulate-grad hook, held weakly."""
     intake = ref()
@@ -600,7 +607,9 @@ class HookIntake(Intake):
         if r.index not in self._markers:
             cleared = functools.partial(_cleared_weak, self._ref, r.index)
             scaled = functools.partial(_scaled_weak, self._ref, r.index)
-            self._markers[r.index] = (r.param, FoldedGrad(r.param, r.index, cleared=cleared, scaled=scaled))
+            added = functools.partial(_added_weak, self._ref, r.index)
+            marker = FoldedGrad(r.param, r.index, cleared=cleared, scaled=scaled, added=added)
+            self._markers[r.index] = (r.param, marker)
         r.marker = self._markers[r.index][1]
         return r.marker
 
