@@ -833,42 +833,25 @@ def test_a_clear_around_a_rebuild_or_reload_is_torchs(case):
         _step_pair(intake, ops)
 
 
-@pytest.mark.parametrize("clear", ["model.zero_grad", "p.grad = None"])
-def test_hooks_a_param_frozen_when_built_is_dropped_as_torchs(clear):
+@pytest.mark.parametrize(
+    "clear, unfreeze",
+    [
+        ("model.zero_grad", False),
+        ("zero_grad(False)", True),
+        ("zero_grad", True),
+        ("nothing", True),
+    ],
+)
+def test_hooks_a_param_frozen_when_built_and_given_a_grad_trains_as_torchs(clear, unfreeze):
     """Intake "hooks", a param frozen when the optimizer was built, given a
-    .grad by hand and stepped, then .grad set to None (model.zero_grad(), or
-    by hand) and another window stepped: torch.optim skips the param. Its
-    marker was not looked at again, so ours stepped it on, a zero gradient
-    with momentum and weight decay, 7e-3 off torch's."""
-    runs = []
-    for ours in (True, False):
-        model = _mlp()
-        params = list(model.parameters())
-        params[1].requires_grad_(False)
-        opt = ak.AdamW(params, **FUSED["AdamW"], intake="hooks") if ours else _torch("AdamW")(params)
-        gen = torch.Generator().manual_seed(3)
-        model(torch.randn(4, 5, generator=gen)).pow(2).mean().backward()
-        params[1].grad = torch.full_like(params[1], 0.25)
-        opt.step()
-        if clear == "model.zero_grad":
-            model.zero_grad()
-        else:
-            for p in params:
-                p.grad = None
-        model(torch.randn(4, 5, generator=gen)).pow(2).mean().backward()
-        opt.step()
-        runs.append([p.detach().clone() for p in params])
-    _assert_fused_close(*runs, steps=2)
-
-
-@pytest.mark.parametrize("clear", ["zero_grad(False)", "zero_grad", "nothing"])
-def test_hooks_a_param_frozen_when_built_takes_a_gradient_once_unfrozen(clear):
-    """Intake "hooks", a param frozen when the optimizer was built, given a
-    .grad by hand and stepped (its .grad is a marker now), then unfrozen and
-    a backward before the next step(), which hooks it: autograd adds into
-    .grad, which raised in backward (a marker holds no values). The add is
-    taken as its hook would take it: stepped as torch's, or (nothing
-    cleared) the step() refused as a step on the last step's gradient."""
+    .grad by hand and stepped (its .grad a marker since), then cleared (or
+    not), unfrozen (or not), a backward and a step(). Torch skips it once
+    its .grad is None (model.zero_grad()): its marker was not looked at again, so ours
+    stepped it on a zero gradient, 7e-3 off torch's. Unfrozen, autograd
+    adds into its .grad before the step() hooks it, which raised in
+    backward (a marker holds no values): it is taken as its hook would
+    take it, and a step() with nothing cleared is refused as a step on the
+    last step's gradient."""
     runs = []
     for ours in (True, False):
         model = _mlp()
@@ -881,7 +864,7 @@ def test_hooks_a_param_frozen_when_built_takes_a_gradient_once_unfrozen(clear):
         opt.step()
         if clear != "nothing":
             _apply(clear, model, opt, gen, [])
-        params[1].requires_grad_(True)
+        params[1].requires_grad_(unfreeze)
         model(torch.randn(4, 5, generator=gen)).pow(2).mean().backward()
         if ours and clear == "nothing":
             with pytest.raises(RuntimeError, match="nothing cleared since the last step"):
