@@ -267,7 +267,8 @@ def _apply(op, model, opt, gen, norms):
     (a clip that clips, its norm logged), "closure step", "backward p0" (into
     the first weight only), "fill None" (a zero .grad where it is None, as
     before an all-reduce of every param), "noise" (added into each .grad
-    that is not None), "data.zero_()" (each .grad cleared through .data, as
+    that is not None), "add g" (the same, a tensor of the param's shape
+    added), "data.zero_()" (each .grad cleared through .data, as
     older loops do), "state reset p2", "wd 0", "rebuild" (the
     optimizer closed and a new one built over the params, loading its state
     dict) and "to torch" (the same, into torch.optim's optimizer: the loop
@@ -323,6 +324,10 @@ def _apply(op, model, opt, gen, norms):
         for p in params:
             if p.grad is not None:
                 p.grad.add_(1e-2)
+    elif op == "add g":  # (a gradient of the param's shape: intake "hooks" takes it)
+        for p in params:
+            if p.grad is not None:
+                p.grad.add_(torch.full_like(p, 1e-2).detach())
     elif op == "state reset p2":
         opt.state[params[2]] = {}
     elif op == "wd 0":
@@ -404,6 +409,7 @@ GIVES_GRAD = (
     "p2 = 0.5",
     "fill None",
     "noise",
+    "add g",
 )
 CLEARS_IN_PLACE = ("zero_grad(False)", "model.zero_grad(False)", "p0.zero_()", "data.zero_()")
 
@@ -614,6 +620,7 @@ ONE_PROCESS_OPS = [
     "backward p0",
     "fill None",
     "noise",
+    "add g",
     "data.zero_()",
     "state reset p2",
     "wd 0",
