@@ -382,11 +382,13 @@ def _unchanged(params, before) -> bool:
 # The refusals of ours that torch.optim's loop has no counterpart for, by
 # design (docs/optimizers.md), and what torch's .grad must hold where one is
 # made (_TorchGrads.explains): "used", a gradient its last step() used that
-# nothing cleared (a step() on it again, or a new gradient added onto it);
-# "dropped", one a backward put there since its last step() that a call
-# since dropped, replaced or zeroed (intake "hooks" folded it already);
-# "hooks", none: intake "hooks" refuses the call itself (a read of .grad's
-# values, a scaled checkpoint loaded without its GradScaler).
+# nothing cleared (a step() on it again, or a new gradient added onto it),
+# or a clear in place after a gradient that something since hid from intake
+# "grad" (it tells such a clear by the zeros left); "dropped", a gradient a
+# call put there since its last step() (GIVES_GRAD) that a call since
+# dropped, replaced or zeroed (intake "hooks" folded it already); "hooks",
+# none: intake "hooks" refuses the call itself (a read of .grad's values, a
+# scaled checkpoint loaded without its GradScaler).
 BY_DESIGN = {
     "nothing cleared since the last step": "used",
     "added onto the one the last step() used": "used",
@@ -417,9 +419,9 @@ CLEARS_IN_PLACE = ("zero_grad(False)", "model.zero_grad(False)", "p0.zero_()", "
 class _TorchGrads:
     """What torch.optim's side of a random loop holds in .grad: the tensors
     its last step used and nothing cleared since (``used``) and, per param,
-    those a call put a gradient into since (``fresh``, GIVES_GRAD), to tell whether a
-    refusal of ours stands where torch's loop holds what the refusal says
-    (BY_DESIGN)."""
+    those a call put a gradient into since (``fresh``, GIVES_GRAD), to tell
+    whether a refusal of ours stands where torch's loop holds what the
+    refusal says (BY_DESIGN)."""
 
     def __init__(self, model) -> None:
         self.params = list(model.parameters())
