@@ -1296,6 +1296,38 @@ def test_zero_grad_after_loading_a_checkpoint_saved_after_backward(intake, old_c
     _step_pair(intake, ["backward", "reload", "zero_grad", "norm", "backward", "step"])
 
 
+def test_a_counted_windows_clear_after_a_backward_drops_the_sums_before_the_next_backward():
+    """accum_steps=3, intake "grad": a micro-step whose backward reached the
+    first weight only, then model.zero_grad() (before its step(): torch's
+    clear drops every .grad, the earlier micro-step's sums too), then a
+    backward, rebuilt (which carries the window on) and stepped. The
+    backward's gradients of the params the clear found without one this
+    micro-step were added onto their dropped sums (taken as a harmless clear
+    after a step()), which step() then refused for the first weight's two
+    gradients, but a rebuild's load let through: 6e-3 off torch's, silently
+    (found by the seed sweep of the counted-window fuzz). As torch's now."""
+    runs = []
+    for ours in (True, False):
+        model = _mlp()
+        params = list(model.parameters())
+        opt = ak.AdamW(params, **FUSED["AdamW"], accum_steps=3, intake="grad") if ours else _torch("AdamW")(params)
+        gen = torch.Generator().manual_seed(3)
+        for k, op in enumerate(["backward", "step", "backward p0", "model.zero_grad", "backward", "step", "step"]):
+            if ours and k == 5:  # (rebuilt before the step() that ends the window)
+                opt = _rebuild(opt, params)
+            if ours:
+                _apply(op, model, opt, gen, [])
+            elif op.startswith("backward"):
+                loss = model(torch.randn(4, 5, generator=gen)).pow(2).mean() / 3
+                loss.backward(inputs=[params[0]] if op == "backward p0" else None)
+            elif op == "model.zero_grad":
+                model.zero_grad()
+        if not ours:
+            opt.step()
+        runs.append(params)
+    _assert_fused_close(*runs, steps=1)
+
+
 def test_a_counted_window_needs_no_zero_grad():
     """accum_steps=N: the window is the wrapper's (N step() calls), and its last
     step() clears the sums: a loop without zero_grad() trains as torch's loop

@@ -1456,7 +1456,11 @@ class GradIntake(Intake):
             # the new gradient adds to the window's sum.
             self.window.unzeroed.discard(r.index)
             self._check_shape(r, grad)
-            if self._between_micro_steps(r):
+            # (not where the clear dropped a gradient of this micro-step: a
+            # clear between a backward and its step(), which drops every sum)
+            records = self.layout.records
+            after_backward = any(records[i].param.grad is None for i in self.arrivals)
+            if self._between_micro_steps(r) and not after_backward:
                 r.buffer.add_(grad)
                 self._keep_cleared_sums()
             else:
