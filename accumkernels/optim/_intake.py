@@ -227,6 +227,11 @@ def _how_cleared(grad: torch.Tensor | None) -> str:
     return "set to None" if grad is None else "replaced"
 
 
+def _nonzero(tensors: list[torch.Tensor]) -> list[bool]:
+    """Whether each tensor holds a value other than zero: one host sync for all."""
+    return torch.stack([t.ne(0).any() for t in tensors]).tolist() if tensors else []
+
+
 def _remove(handles, markers=None) -> None:
     """Remove the hooks; a param whose ``.grad`` still holds its FoldedGrad
     marker (intake "hooks") gets None back, so that it trains on as plain PyTorch."""
@@ -1055,8 +1060,8 @@ class HookIntake(Intake):
         if not (self.accum_steps is None and self.layout.flat is not None and self.one_process):
             used = set()
         zeros = [r for r in candidates if r.index in kept_zero and r.index not in used]
-        all_zero = torch.stack([r.param.grad.eq(0).all() for r in zeros]).tolist() if zeros else []
-        adopted = [r for r, z in zip(zeros, all_zero) if z] + [r for r in candidates if r.index in used]
+        adopted = [r for r, held in zip(zeros, _nonzero([r.param.grad for r in zeros])) if not held]
+        adopted += [r for r in candidates if r.index in used]
         for r in adopted:
             if r.index in used:
                 r.buffer.copy_(r.param.grad)
@@ -1374,9 +1379,8 @@ class GradIntake(Intake):
         self._unzeroed_unread = False
         records = [self.layout.records[i] for i in sorted(self.window.unzeroed)]
         records = [r for r in records if r.param.grad is r.buffer]
-        if records:
-            zeroed = torch.stack([r.buffer.eq(0).all() for r in records]).tolist()
-            for r in (r for r, z in zip(records, zeroed) if z):
+        for r, held in zip(records, _nonzero([r.buffer for r in records])):
+            if not held:
                 self.window.unzeroed.discard(r.index)
                 self._used.discard(r.index)
 
@@ -1411,8 +1415,7 @@ class GradIntake(Intake):
         step() (_take_written). Another write that leaves zeros there (torch's
         clip_grad_norm_ multiplying the zeroed buffers) counts as the clear
         too: neither the version counter nor the values tell them apart."""
-        others = [r.buffer.ne(0).any() for r in self.layout if r is not arriving]
-        if not others or not bool(torch.stack(others).any()):
+        if not any(_nonzero([r.buffer for r in self.layout if r is not arriving])):
             self.window.zero_grad(set_to_none=False)
             self._account_writes()
 
@@ -1458,9 +1461,7 @@ class GradIntake(Intake):
             self._check_shape(r, grad)
             # (not where the clear dropped a gradient of this micro-step: a
             # clear between a backward and its step(), which drops every sum)
-            records = self.layout.records
-            after_backward = any(records[i].param.grad is None for i in self.arrivals)
-            if self._between_micro_steps(r) and not after_backward:
+            if self._between_micro_steps(r) and not self._cleared_after_backward():
                 r.buffer.add_(grad)
                 self._keep_cleared_sums()
             else:
@@ -1474,6 +1475,12 @@ class GradIntake(Intake):
         version = self.layout.flat._version
         self._unseen_write |= version > self._seen_version + 1
         self._seen_version = version
+
+    def _cleared_after_backward(self) -> bool:
+        """A param that got a gradient in this micro-step has lost its ``.grad``:
+        a clear between a backward and step() (``model.zero_grad()``), which in
+        torch dropped every param's gradient."""
+        return any(self.layout.records[i].param.grad is None for i in self.arrivals)
 
     def _keep_cleared_sums(self) -> None:
         """A clear after a counted window's step() (``model.zero_grad()``), seen
@@ -1533,7 +1540,7 @@ class GradIntake(Intake):
         # torch, every sum that clear dropped is dropped, those of params
         # without a gradient in this micro-step (frozen, unused) too. (A clear
         # before the backward leaves those params a new .grad from autograd.)
-        after_backward = any(self.layout.records[i].param.grad is None for i in self.arrivals)
+        after_backward = self._cleared_after_backward()
         for r in self.layout:
             grad = r.param.grad
             if grad is r.buffer and not self.layout.aliased(r):
@@ -1626,10 +1633,8 @@ class GradIntake(Intake):
         # (only a buffer that held the used gradient, or the window's sum over
         # it: after add_param_group it is a zero buffer that stands for it, uncarried)
         holding = [r for r in records if r.index in self._used or r.index in self.window.touched]
-        if holding:
-            nonzero = torch.stack([r.buffer.ne(0).any() for r in holding]).tolist()
-            zeroed = {r.index for r, held in zip(holding, nonzero) if not held}
-            records = [r for r in records if r.index not in zeroed]
+        zeroed = {r.index for r, held in zip(holding, _nonzero([r.buffer for r in holding])) if not held}
+        records = [r for r in records if r.index not in zeroed]
         return {r.index for r in records}
 
     def _take_written(self) -> None:
@@ -1658,14 +1663,14 @@ class GradIntake(Intake):
             for r in self.layout
             if r.index not in self.window.touched and (r.param.grad is r.buffer or r.param.grad is None)
         ]
-        if waiting:
-            written = torch.stack([r.buffer.ne(0).any() for r in waiting]).tolist()
-            for r in (r for r, w in zip(waiting, written) if w):
-                if r.param.grad is None:
-                    r.buffer.zero_()
-                else:
-                    self.window.touched.add(r.index)
-                    self.window.grads_since_step = True
+        for r, written in zip(waiting, _nonzero([r.buffer for r in waiting])):
+            if not written:
+                continue
+            if r.param.grad is None:
+                r.buffer.zero_()
+            else:
+                self.window.touched.add(r.index)
+                self.window.grads_since_step = True
         self._account_writes()
 
     def _account_writes(self) -> None:
@@ -1704,8 +1709,7 @@ class GradIntake(Intake):
         torch.optim steps it."""
         held, self._held_before_load = self._held_before_load - self.window.touched, set()
         kept = [self.layout.records[i] for i in sorted(held)]
-        nonzero = torch.stack([r.buffer.ne(0).any() for r in kept]).tolist() if kept else []
-        for r, used in zip(kept, nonzero):
+        for r, used in zip(kept, _nonzero([r.buffer for r in kept])):
             if used:
                 self._used.add(r.index)
                 self.window.unzeroed.add(r.index)
