@@ -1286,6 +1286,9 @@ class GradIntake(Intake):
         # accum_steps=N: other code wrote into the buffers between two step()
         # calls of the window, after its first gradients (refuse_lost_sums)
         self._sums_overwritten = False
+        # A clear between a backward and its step() was seen in this micro-step
+        # (_cleared_after_backward): until the step(), a .grad of None is one it dropped.
+        self._dropped_after_backward = False
         # accum_steps=None: the buffers keep the gradients a step used (the
         # params in _used), as torch.optim's .grad does, until a clear.
         self.zero_buffers_at_step = self.accum_steps is not None
@@ -1465,7 +1468,10 @@ class GradIntake(Intake):
                 r.buffer.add_(grad)
                 self._keep_cleared_sums()
             else:
+                if self.arrivals[r.index] > 1:  # (dropped after its gradient of this micro-step: a clear of all?)
+                    self._cleared_after_backward()
                 _copy_into(r.buffer, grad)
+                self.arrivals[r.index] = 1  # (this micro-step's earlier gradients were dropped with .grad)
             r.param.grad = r.buffer
         elif not self.layout.aliased(r):
             self._reattach(r)
@@ -1476,11 +1482,30 @@ class GradIntake(Intake):
         self._unseen_write |= version > self._seen_version + 1
         self._seen_version = version
 
+    def backwards_since_step(self) -> tuple[int, int]:
+        """As Intake's, of the gradients ``.grad`` still holds: a ``.grad``
+        dropped or replaced after them dropped them, as in torch (flush()
+        drops the sums), so a second backward before that clear is none of
+        the micro-step's. (A scan only where some param got more than one.)"""
+        if self.repeated[0] <= 1:
+            return (0, -1)
+        records = self.layout.records
+        held = [(c, i) for i, c in self.arrivals.items() if c > 1 and records[i].param.grad is records[i].buffer]
+        return max(held, key=lambda pair: pair[0], default=(0, -1))
+
     def _cleared_after_backward(self) -> bool:
         """A param that got a gradient in this micro-step has lost its ``.grad``:
         a clear between a backward and step() (``model.zero_grad()``), which in
-        torch dropped every param's gradient."""
-        return any(self.layout.records[i].param.grad is None for i in self.arrivals)
+        torch dropped every param's gradient. Once seen, it holds until the
+        step(): a backward since gives the params it reaches ``.grad`` again,
+        not those it does not (frozen, unused), whose sums the clear dropped."""
+        if not self._dropped_after_backward:
+            self._dropped_after_backward = any(self.layout.records[i].param.grad is None for i in self.arrivals)
+        return self._dropped_after_backward
+
+    def start_micro_step(self) -> None:
+        super().start_micro_step()
+        self._dropped_after_backward = False
 
     def _keep_cleared_sums(self) -> None:
         """A clear after a counted window's step() (``model.zero_grad()``), seen
@@ -1564,12 +1589,14 @@ class GradIntake(Intake):
                     self.window.touched.discard(r.index)
                     self._used.discard(r.index)
                 self.window.forget_grad(r.index)  # no gradient, as in plain PyTorch: not stepped
+                self.arrivals.pop(r.index, None)  # (nor those of this micro-step: backwards_since_step)
             else:
                 self._check_shape(r, grad)
                 if kept:
                     r.buffer.add_(grad)  # a gradient too
                 else:
                     _copy_into(r.buffer, grad)
+                    self.arrivals.pop(r.index, None)
                 self.window.touched.add(r.index)
                 self.window.grads_since_step = True
                 self._used.discard(r.index)
