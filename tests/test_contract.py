@@ -23,6 +23,7 @@ import functools
 import io
 import pickle
 import random
+import re
 
 import numpy as np
 import pytest
@@ -269,7 +270,8 @@ def _apply(op, model, opt, gen, norms):
     before an all-reduce of every param), "noise" (added into each .grad
     that is not None), "add g" (the same, a tensor of the param's shape
     added), "data.zero_()" (each .grad cleared through .data, as
-    older loops do), "state reset p2", "wd 0", "rebuild" (the
+    older loops do), "state reset p2", "wd 0", "state_dict" (saved, not
+    loaded: intake "hooks" takes an assigned .grad in), "rebuild" (the
     optimizer closed and a new one built over the params, loading its state
     dict) and "to torch" (the same, into torch.optim's optimizer: the loop
     goes on under torch's): these two return the new optimizer, where every
@@ -338,6 +340,8 @@ def _apply(op, model, opt, gen, norms):
         return _rebuild(opt, params, _torch(type(opt).__name__))
     elif op == "reload":
         opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    elif op == "state_dict":
+        opt.state_dict()
     elif op == "lr":
         opt.param_groups[0]["lr"] = 3e-3
     elif op == "norm":
@@ -393,8 +397,10 @@ BY_DESIGN = {
     "nothing cleared since the last step": "used",
     "added onto the one the last step() used": "used",
     "after its backward, before step()": "dropped",
+    "took in the tensor assigned to it, before step()": "dropped",
     "zeroed in place": "dropped",
     "zero_grad() between a backward and step()": "dropped",
+    "zero_grad() between a state_dict() that took in a tensor assigned to .grad": "dropped",
     "holds no values": "hooks",
     "saved mid-window by intake='hooks'": "hooks",
 }
@@ -626,6 +632,7 @@ ONE_PROCESS_OPS = [
     "data.zero_()",
     "state reset p2",
     "wd 0",
+    "state_dict",
 ]
 
 
@@ -644,6 +651,45 @@ COUNTED_OPS = [
     "reload",
     "rebuild",
 ]
+
+
+class _MicroStepGrads:
+    """What a counted window's loop gave each param since its last step()
+    call (one micro-step), to check a refusal of ours: the gradients each
+    param got (``counts``: a backward reaches every param that requires a
+    gradient, "backward p0" the first weight) and those dropped after their
+    backward (``dropped``: "p0 = None", ``model.zero_grad()``). With intake
+    "grad" a clear drops the sums it clears, and the count starts over; with
+    "hooks" it is refused (zero_grad()) or the next call is (docs/optimizers.md)."""
+
+    def __init__(self, model, intake: str) -> None:
+        self.params, self.intake = list(model.parameters()), intake
+        self.counts, self.dropped = {}, set()
+
+    def after(self, op: str) -> None:
+        if op == "step":
+            self.counts, self.dropped = {}, set()
+        elif op in ("backward", "backward p0"):
+            reached = [0] if op == "backward p0" else [i for i, p in enumerate(self.params) if p.requires_grad]
+            for i in reached:
+                self.counts[i] = self.counts.get(i, 0) + 1
+        elif op in ("zero_grad", "model.zero_grad", "p0 = None"):
+            cleared = {0} if op == "p0 = None" else set(self.counts)
+            if self.intake == "grad":
+                self.counts = {i: c for i, c in self.counts.items() if i not in cleared}
+            else:
+                self.dropped |= cleared & set(self.counts)
+
+    def explains(self, message: str) -> bool:
+        """Whether the loop did what ``message`` (a refusal of ours) says."""
+        if match := re.search(r"param (\d+) got (\d+) gradients", message):
+            index, count = int(match[1]), int(match[2])
+            return count >= 2 and self.counts.get(index) == count
+        if match := re.search(r"param (\d+)'s \.grad was set to None after its backward", message):
+            return int(match[1]) in self.dropped
+        if "zero_grad() between a backward and step()" in message:
+            return self.intake == "hooks" and bool(self.counts)
+        return False
 
 
 @pytest.mark.parametrize("intake", ["grad", "hooks"])
@@ -666,14 +712,16 @@ def test_random_counted_window_loops_train_as_torch_or_are_refused(intake):
         opt = ak.AdamW(model.parameters(), **FUSED["AdamW"], accum_steps=micro, intake=intake)
         plain_opt = torch.optim.AdamW(plain_model.parameters(), **FUSED["AdamW"])
         gens = [torch.Generator().manual_seed(3) for _ in range(2)]
-        calls, since_backward, steps = 0, False, 0
+        calls, since_backward, steps, given = 0, False, 0, _MicroStepGrads(model, intake)
         for k, op in enumerate(ops):
             before = [p.detach().clone() for p in model.parameters()]
             try:
                 opt = _apply(op, model, opt, gens[0], []) or opt
-            except RuntimeError:
+            except RuntimeError as e:
                 assert _unchanged(model.parameters(), before), f"{ops[: k + 1]}: refused after a change"
+                assert given.explains(str(e)), f"{intake} {ops[: k + 1]}: refused where the loop did not: {e}"
                 return False
+            given.after(op)
             if op in ("backward", "backward p0"):
                 loss = plain_model(torch.randn(4, 5, generator=gens[1])).pow(2).mean() / micro
                 loss.backward(inputs=[plain_model[0].weight] if op == "backward p0" else None)
@@ -986,6 +1034,33 @@ def test_a_grad_assigned_to_a_param_frozen_when_built_is_stepped(intake, unfreez
             opt.zero_grad()
             assert all(p.grad is None for p in params)
     _assert_fused_close(*runs, steps=1)
+
+
+@pytest.mark.parametrize(
+    "then",
+    [["model.zero_grad"], ["p2 = 0.5"], ["reload", "p2 = 0.5"], ["rebuild", "model.zero_grad"], ["backward"]],
+    ids=["dropped", "replaced", "reloaded-replaced", "rebuilt-dropped", "backward"],
+)
+def test_hooks_a_grad_assigned_and_taken_in_by_state_dict_is_torchs(then):
+    """Intake "hooks" takes a tensor assigned to ``.grad`` in when
+    state_dict() saves the window (the checkpoint holds it). A ``.grad``
+    dropped or replaced after that, before step(), drops it in torch, where
+    ours stepped it anyway or added the new one onto it: 5e-2 off torch's,
+    silently (found by the one-process fuzz once a reload's checkpoint kept
+    the micro-step's count of gradients, which had stood for it). Refused
+    now, as after a backward, by a message that says what was taken in; a
+    backward after it adds onto it, as torch's."""
+    ops = ["p2 = 0.5", "state_dict", *then, "step"]
+    if then == ["backward"]:
+        _step_pair("hooks", ops)
+        return
+    model = _mlp()
+    opt, gen = ak.SGD(model.parameters(), **FUSED["SGD"], intake="hooks"), torch.Generator().manual_seed(3)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"after a state_dict\(\) took in the tensor assigned to it, before step"):
+        for op in ops:
+            opt = _apply(op, model, opt, gen, []) or opt
+    assert _unchanged(model.parameters(), before)
 
 
 def test_hooks_refuses_to_save_a_sum_over_an_uncleared_gradient():
@@ -1348,6 +1423,32 @@ def test_a_counted_windows_clear_after_a_backward_is_torchs(case):
             opt.step()
         runs.append(params)
     _assert_fused_close(*runs, steps=1)
+
+
+@pytest.mark.parametrize("intake", ["grad", "hooks"])
+@pytest.mark.parametrize(
+    "ops, count",
+    [
+        (["backward", "backward", "rebuild"], 2),
+        (["backward", "rebuild", "backward"], 2),
+        (["backward", "backward", "reload", "backward"], 3),
+        (["backward", "step", "backward p0", "rebuild", "backward"], 2),
+    ],
+)
+def test_a_micro_steps_second_backward_is_refused_across_a_rebuild(intake, ops, count):
+    """accum_steps=3: a micro-step's gradients since its last step() call are
+    in a mid-window checkpoint (its "arrivals"), so that a second backward
+    before step() is refused after a rebuild or reload as without it, with
+    the count the loop gave (the rebuilt optimizer took one per param before)."""
+    model = _mlp()
+    opt = ak.AdamW(model.parameters(), **FUSED["AdamW"], accum_steps=3, intake=intake)
+    gen = torch.Generator().manual_seed(3)
+    for op in ops:
+        opt = _apply(op, model, opt, gen, []) or opt
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=rf"param \d got {count} gradients since the last step"):
+        opt.step()
+    assert _unchanged(model.parameters(), before)
 
 
 def test_a_counted_window_needs_no_zero_grad():

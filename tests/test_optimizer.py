@@ -1327,8 +1327,9 @@ def test_staged_unfreezing(backend, intake):
 def test_a_refused_checkpoint_changes_nothing(backend):
     """Another model with as many params of other shapes, or our own
     checkpoint with a param's Adam step missing (torch's AdamW would raise
-    KeyError half-loaded), negative or fractional: load_state_dict raises
-    before anything is written, and the wrapper trains on as before."""
+    KeyError half-loaded), negative or fractional, or a window entry naming a
+    param the model lacks or a negative count of gradients: load_state_dict
+    raises before anything is written, and the wrapper trains on as before."""
     x, y = data()
 
     def trained(model):
@@ -1357,9 +1358,17 @@ def test_a_refused_checkpoint_changes_nothing(backend):
         return bad
 
     bads = [other_opt.state_dict(), {k: v for k, v in other_opt.state_dict().items() if k != "accumkernels"}]
+
+    def with_window(**entries):
+        bad = copy.deepcopy(snapshot)
+        bad["accumkernels"].update(entries)
+        return bad
+
     bads += [with_step(None), with_step(torch.tensor(-1.0)), with_step(1.5), with_step(torch.ones(2))]
+    bads += [with_window(touched=[0, 99]), with_window(arrivals=[[99, 1]]), with_window(arrivals=[[0, -1]])]
+    bads += [with_window(arrivals=[[0, 1.5]]), with_window(arrivals=[0])]
     for bad in bads:
-        with pytest.raises(ValueError, match="shape|elements|'step'"):
+        with pytest.raises(ValueError, match="shape|elements|'step'|checkpoint window"):
             opt.load_state_dict(copy.deepcopy(bad))
         after = opt.state_dict()
         for p in snapshot["state"]:

@@ -341,7 +341,7 @@ def load(wrapper, state_dict: dict) -> None:
         wrapper._intake.before_restore()
         wrapper._window.clear()
         wrapper._window.load_state_dict(extra)
-        wrapper._intake.restore_sums(extra["flat_buffer"])
+        wrapper._intake.restore_sums(extra["flat_buffer"], extra.get("arrivals"))
     elif extra is not None:
         # Saved at a window boundary (or a plain optimizer's checkpoint: no entry): it holds no
         # gradients, and the window in progress keeps its own (.grad, the buffers), as a

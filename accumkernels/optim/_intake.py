@@ -286,7 +286,9 @@ class Intake:
         # torch.distributed initialized after the wrapper was built: noticed at
         # the first gradient, before a DDP module's reducer could act on it.
         self._watch_late_init = not (dist.is_available() and dist.is_initialized())
-        self.arrivals: dict[int, int] = {}  # param index -> gradients received since the last step()
+        # param index -> backward gradients received since the last step(); 0:
+        # none, but a tensor assigned to .grad was taken in (intake "hooks")
+        self.arrivals: dict[int, int] = {}
         self._handles: dict[int, torch.utils.hooks.RemovableHandle] = {}
         self._markers: dict[int, tuple[torch.Tensor, FoldedGrad]] = {}  # param index -> (param, its .grad marker)
         self._claim()
@@ -481,16 +483,26 @@ class Intake:
         """A mid-window checkpoint is about to replace the window (GradIntake
         notes which ``.grad`` holds a gradient now)."""
 
-    def restore_sums(self, sums: torch.Tensor) -> None:
-        """A mid-window checkpoint's flat buffer, after the window's own state
-        (``touched``) is loaded."""
+    def saved_arrivals(self) -> list[list[int]]:
+        """The gradients each param got since the last step(), as a checkpoint
+        keeps them: [index, count] pairs."""
+        return [[i, count] for i, count in sorted(self.arrivals.items())]
+
+    def restore_sums(self, sums: torch.Tensor, arrivals: list | None) -> None:
+        """A mid-window checkpoint's flat buffer and ``arrivals``
+        (saved_arrivals'), after the window's own state (``touched``) is
+        loaded: the micro-step in progress is the checkpoint's, so that a
+        ``.grad`` dropped or replaced after its backward, or a second backward
+        of the micro-step (accum_steps=N), is seen at step() as without the
+        resume. (A checkpoint without them, saved after a backward: each param
+        with a sum counts as having one gradient of this micro-step.)"""
         self._write_sums(sums)
-        # Saved after a backward (before its step()): each param with a sum
-        # counts as having its gradient of this micro-step, so that a .grad
-        # dropped or replaced before that step() is torch's drop, as without the
-        # resume (the checkpoint keeps no per-param arrivals: a param whose last
-        # gradient came in an earlier micro-step counts too).
-        if self.window.grads_since_step:
+        if arrivals is not None:
+            self.arrivals.clear()
+            self.arrivals.update((i, count) for i, count in arrivals)
+            most = max(self.arrivals.values(), default=0)
+            self.repeated = (most, next(i for i, c in self.arrivals.items() if c == most)) if most > 1 else (0, -1)
+        elif self.window.grads_since_step:
             for i in self.window.touched:
                 self.arrivals.setdefault(i, 1)
 
@@ -730,14 +742,14 @@ class HookIntake(Intake):
             self._refuse_late_init()
         r = self.layout.records[index]
         arrivals = self.arrivals
-        count = arrivals.get(index, 0) + 1
-        arrivals[index] = count
+        prior = arrivals.get(index)
+        count = arrivals[index] = (prior or 0) + 1
         if count > 1 and count > self.repeated[0]:
             self.repeated = (count, index)
         param = r.param
         if param.grad is not r.marker:
-            if count > 1:
-                self._refuse_discarded(index, _how_cleared(param.grad))
+            if prior is not None:  # (a gradient of this micro-step is folded: a backward's, or one assigned)
+                self._refuse_discarded(index, _how_cleared(param.grad), assigned=prior == 0)
             self._install_marker(r)
         # Autograd checked the gradient against the param (shape, dtype, device)
         # before this hook; what is left to check is that the param is still
@@ -779,7 +791,7 @@ class HookIntake(Intake):
         discard it, which the fold cannot undo for one param: refused."""
         self._drain()
         window = self.window
-        if index in window.touched or self.arrivals.get(index):
+        if index in window.touched or index in self.arrivals:
             raise RuntimeError(
                 f"param {index}'s .grad was zeroed in place (model.zero_grad(set_to_none=False), p.grad.zero_()) "
                 "after its gradient of this window was folded: torch.optim would discard that gradient, which "
@@ -832,7 +844,7 @@ class HookIntake(Intake):
         if grad is None or grad is r.marker:
             return
         if index in self.arrivals:  # .grad held the marker: cleared or replaced since
-            self._refuse_discarded(index, "set to None or replaced")
+            self._refuse_discarded(index, "set to None or replaced", assigned=self.arrivals[index] == 0)
         self.window.unzeroed.discard(index)  # cleared or replaced, as in plain PyTorch
         self._on_grad(index, grad)
 
@@ -860,16 +872,24 @@ class HookIntake(Intake):
         self._pending.setdefault(r.bucket.index, []).append((r, self._laid_out(r, grad)))
 
     @staticmethod
-    def _refuse_discarded(index: int, how: str) -> None:
+    def _refuse_discarded(index: int, how: str, assigned: bool) -> None:
         """A param's ``.grad`` was cleared or replaced after a gradient of this
         micro-step arrived, found at step() or at the param's next gradient
         (``model.zero_grad()`` between a backward and step(), or between two
-        backwards): plain PyTorch would have discarded that gradient, which is folded."""
+        backwards; ``assigned``: the gradient was a tensor assigned to
+        ``.grad`` that state_dict() took in): plain PyTorch would have
+        discarded that gradient, which is folded."""
         raise RuntimeError(
-            f"param {index}'s .grad was {how} after its backward, before "
-            "step() (e.g. model.zero_grad() between a backward and opt.step(), or between two backwards): in plain "
-            "PyTorch that discards the gradient, but intake='hooks' has folded it into the window already. Call "
-            "zero_grad() after step() (or before the backward), or use intake='grad'"
+            f"param {index}'s .grad was {how} after "
+            + ("a state_dict() took in the tensor assigned to it" if assigned else "its backward")
+            + ", before step()"
+            + (
+                ""
+                if assigned
+                else " (e.g. model.zero_grad() between a backward and opt.step(), or between two backwards)"
+            )
+            + ": in plain PyTorch that discards the gradient, but intake='hooks' has folded it into the window "
+            "already. Call zero_grad() after step() (or before the backward), or use intake='grad'"
         )
 
     def _install_marker(self, r: ParamRecord) -> None:
@@ -886,6 +906,9 @@ class HookIntake(Intake):
 
     def _take_late(self, r: ParamRecord) -> None:
         self.window.unzeroed.discard(r.index)  # a .grad assigned by other code replaced the last one
+        # a gradient of this micro-step (no backward's: counted 0), which a .grad
+        # dropped or replaced before step() discards in torch, as a backward's
+        self.arrivals.setdefault(r.index, 0)
         self._queue(r, r.local_grad())
         r.param.grad = self._markers[r.index][1]
         self.window.grads_since_step = True
@@ -937,7 +960,7 @@ class HookIntake(Intake):
             if grad is marker:
                 continue
             if index in self.arrivals:
-                self._refuse_discarded(index, _how_cleared(grad))
+                self._refuse_discarded(index, _how_cleared(grad), assigned=self.arrivals[index] == 0)
             if grad is None:  # no gradient, as in plain PyTorch: not stepped (nor with a zero gradient)
                 self.window.forget_grad(index)
                 continue
@@ -1024,7 +1047,7 @@ class HookIntake(Intake):
             return super().saved_sums()
         return self.layout.flat_of({i: self.window_sum(self.layout.records[i]) for i in self.window.touched})
 
-    def restore_sums(self, sums: torch.Tensor) -> None:
+    def restore_sums(self, sums: torch.Tensor, arrivals: list | None) -> None:
         """As Intake's; each param with a sum holds its marker again, as when
         the checkpoint was saved: a ``.grad`` dropped after the resume is seen
         (and, after a backward, refused as without it). One assigned a tensor
@@ -1036,7 +1059,7 @@ class HookIntake(Intake):
         if self.lean:  # a window with sums: held in the flat buffer
             self.layout.allocate()
             self._held_unscale = 1.0
-        super().restore_sums(sums)
+        super().restore_sums(sums, arrivals)
         for i in self.window.touched:
             r = self.layout.records[i]
             param, marker = self._markers.get(i, (None, None))
@@ -1186,10 +1209,12 @@ class HookIntake(Intake):
         intake has folded already."""
         self._drain()
         if self.window.grads_since_step:
+            assigned = bool(self.arrivals) and not any(self.arrivals.values())
+            given = "a state_dict() that took in a tensor assigned to .grad" if assigned else "a backward"
             raise RuntimeError(
-                "zero_grad() between a backward and step(): in plain PyTorch that discards the gradient, but "
-                "intake='hooks' has folded it into the window already. Call zero_grad() after step() (or before the "
-                "backward), or use intake='grad'"
+                f"zero_grad() between {given} and step(): in "
+                "plain PyTorch that discards the gradient, but intake='hooks' has folded it into the window already. "
+                "Call zero_grad() after step() (or before the backward), or use intake='grad'"
             )
 
     def zero_grad(self, set_to_none: bool) -> None:
@@ -1714,9 +1739,9 @@ class GradIntake(Intake):
         self._sums_overwritten = False
         self._account_writes()
 
-    def restore_sums(self, sums: torch.Tensor) -> None:
+    def restore_sums(self, sums: torch.Tensor, arrivals: list | None) -> None:
         self._used -= self.window.touched  # (their buffers are written, by the intake itself)
-        super().restore_sums(sums)
+        super().restore_sums(sums, arrivals)
         self._sums_overwritten = False
         self._account_writes()
 

@@ -207,6 +207,13 @@ class Window:
             *saved.get("zero_grads", ()),
             *saved.get("unzeroed", ()),
         ]
+        arrivals = saved.get("arrivals", ())
+        counts = [a[1] if isinstance(a, (list, tuple)) and len(a) == 2 else None for a in arrivals]
+        if not all(isinstance(c, int) and c >= 0 for c in counts):
+            raise ValueError(
+                f"checkpoint window entry 'arrivals' must be [param index, count >= 0] pairs; got {list(arrivals)[:5]}"
+            )
+        indices += [a[0] for a in arrivals]
         bad = [i for i in indices if not (isinstance(i, int) and 0 <= i < param_count)]
         if bad:
             raise ValueError(f"checkpoint window names params {bad[:5]} of {param_count}; it is of another model")

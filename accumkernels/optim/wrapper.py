@@ -577,6 +577,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         empty = not self._window.micro_steps and not self._window.touched  # at a window boundary: nothing to keep
         return {
             "flat_buffer": None if empty else self._intake.saved_sums(),
+            "arrivals": self._intake.saved_arrivals(),  # (the micro-step in progress: one backward per step() call)
             "sums_unscaled": self._intake.folds_unscaled,  # (_checkpoint._check_sums_scale)
             **self._window.state_dict(),
             "master_weights": {r.index: r.master.clone() for r in self._layout if r.master is not None},
