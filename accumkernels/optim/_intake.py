@@ -143,7 +143,7 @@ def _added_weak(ref, index, grad) -> None:
     """A marker's call when a gradient is added into ``.grad``, held weakly."""
     intake = ref()
     if intake is not None:
-        intake._arrive(index, grad)
+        intake.added(index, grad)
 
 
 def _shard_weak(ref, index, param) -> None:
@@ -726,6 +726,17 @@ class HookIntake(Intake):
                 self.arrivals[index] = 1
             self._pending[bucket] = [(records[i], g) for i, g in taken] + self._pending.get(bucket, [])
         self.window.grads_since_step = True
+
+    def added(self, index: int, grad: torch.Tensor) -> None:
+        """A gradient added into param ``index``'s marker where no hook of ours
+        saw it (``p.grad.add_(g)``; autograd's add after an unfreeze, before
+        the param is hooked): taken as its hook takes one. The native inbox,
+        which did not see it, hands the rest of the micro-step to Python: it
+        would take the param's next gradient as its first and fold the
+        bucket over this one (the gradient added was lost)."""
+        self._arrive(index, grad)
+        if self._inbox is not None:
+            _native._C.inbox_start(self._inbox, False)
 
     def _arrive(self, index: int, grad: torch.Tensor) -> None:
         """A hooked (plain) param's gradient, from its accumulator's pre-hook:
