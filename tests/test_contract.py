@@ -1256,6 +1256,31 @@ def test_add_param_group_keeps_what_grad_holds(intake, ops, refused):
         _assert_fused_close(*runs, steps=ops.count("step"))
 
 
+@pytest.mark.parametrize(
+    "then", [["zero_grad", "backward", "step"], ["zero_grad(False)", "step"], ["data.zero_()", "step"]]
+)
+def test_add_param_group_keeps_the_used_gradients_values(then):
+    """Intake "grad", accum_steps=None: ``.grad`` shows the gradient the
+    last step() used until a clear, as torch.optim's, through the relayout
+    of add_param_group too (its values go into the new buffers): a norm
+    logged after it read 0 (and a clear in place after it is one: zeros
+    stepped, as torch steps them)."""
+    runs = []
+    for make in (lambda ps: ak.AdamW(ps, **FUSED["AdamW"], intake="grad"), _torch("AdamW")):
+        model = _mlp()
+        params, gen, norms = list(model.parameters()), torch.Generator().manual_seed(3), []
+        opt = make(params[:2])
+        for op in ["backward", "step", "add group", "norm", *then]:
+            if op == "add group":
+                opt.add_param_group({"params": params[2:]})
+            else:
+                _apply(op, model, opt, gen, norms)
+        runs.append((params, norms))
+    (ours, our_norms), (plain, plain_norms) = runs
+    assert plain_norms[0] > 0
+    _assert_pair(ours, our_norms, plain, plain_norms, steps=2)
+
+
 def test_grad_after_step_holds_what_torchs_holds():
     """accum_steps=None, intake "grad": step() leaves .grad holding the
     gradient it used, as torch.optim's does, until it is cleared, so a norm

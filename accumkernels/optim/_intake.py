@@ -483,6 +483,16 @@ class Intake:
         """A mid-window checkpoint is about to replace the window (GradIntake
         notes which ``.grad`` holds a gradient now)."""
 
+    def shown_grads(self) -> dict[int, torch.Tensor]:
+        """Copies of the gradients the last step() used that ``.grad`` shows,
+        uncleared (window.unzeroed), by param index, for show_grads after the
+        buffers are laid out anew: none where ``.grad`` is a marker, which
+        shows no values (intake "hooks")."""
+        return {}
+
+    def show_grads(self, grads: dict[int, torch.Tensor]) -> None:
+        """shown_grads' copies (renumbered) go into the new buffers."""
+
     def saved_arrivals(self) -> list[list[int]]:
         """The gradients each param got since the last step(), as a checkpoint
         keeps them: [index, count] pairs."""
@@ -1749,6 +1759,24 @@ class GradIntake(Intake):
             self._unzeroed_unread = self.one_process
         self._sums_overwritten = False
         self._account_writes()
+
+    def shown_grads(self) -> dict[int, torch.Tensor]:
+        records = [self.layout.records[i] for i in sorted(self.window.unzeroed)]
+        return {r.index: r.buffer.clone() for r in records if r.param.grad is r.buffer}
+
+    def show_grads(self, grads: dict[int, torch.Tensor]) -> None:
+        """As Intake's: each buffer (``.grad``) holds the gradient the last
+        step() used again, as torch.optim's ``.grad`` does until a clear (a
+        clear through ``.data`` since is read at the next gradient or step(),
+        as before: _find_cleared)."""
+        for i, grad in grads.items():
+            r = self.layout.records[i]
+            if r.param.grad is r.buffer:
+                r.buffer.copy_(grad)
+                self._used.add(i)
+        if grads:
+            self._unzeroed_unread = self.one_process
+            self._account_writes()  # (the intake's own writes)
 
     def restore_sums(self, sums: torch.Tensor, arrivals: list | None) -> None:
         self._used -= self.window.touched  # (their buffers are written, by the intake itself)

@@ -368,6 +368,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         after = {id(p): i for i, p in enumerate(options.params)}
         renumbered = {r.index: after[key] for key, r in before.items() if key in after}
         masters = {r.index: r.master for r in before.values() if r.master is not None}
+        shown = self._intake.shown_grads()  # (copies, only where a step's gradient is uncleared)
         self._intake.close()  # its hooks, and .grad given back
         self._layout.release()  # (before the new buffer is made: one flat buffer at a time)
         try:
@@ -382,11 +383,12 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         # kept as zeros, which it steps) has its buffer (intake "grad") or marker
         # ("hooks") as .grad again, which the closed intake took back: so a
         # step() on the last step's gradients uncleared is refused, and a kept
-        # zero stepped, as before the change (the values of a gradient the last
-        # step used are not carried: intake "grad" holds zeros there).
+        # zero stepped, as before the change; intake "grad"'s buffer shows the
+        # values of the gradient the last step() used again (a norm logged).
         for r in self._layout.records_of(window.had_grad | window.zero_grads | window.unzeroed):
             if r.param.grad is None:
                 self._intake.set_grad(r, None)
+        self._intake.show_grads({renumbered[i]: grad for i, grad in shown.items() if i in renumbered})
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Intake "hooks": harmless after step() (gradients are folded as they
