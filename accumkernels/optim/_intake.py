@@ -1332,9 +1332,6 @@ class GradIntake(Intake):
         # accum_steps=N: other code wrote into the buffers between two step()
         # calls of the window, after its first gradients (refuse_lost_sums)
         self._sums_overwritten = False
-        # A clear between a backward and its step() was seen in this micro-step
-        # (_cleared_after_backward): until the step(), a .grad of None is one it dropped.
-        self._dropped_after_backward = False
         # accum_steps=None: the buffers keep the gradients a step used (the
         # params in _used), as torch.optim's .grad does, until a clear.
         self.zero_buffers_at_step = self.accum_steps is not None
@@ -1468,16 +1465,14 @@ class GradIntake(Intake):
             self.window.zero_grad(set_to_none=False)
             self._account_writes()
 
-    def _between_micro_steps(self, r: ParamRecord | None = None) -> bool:
-        """A counted window (accum_steps=N) holds sums of earlier micro-steps
-        (of ``r``'s, if given), and no gradient arrived since the last step()
-        (of ``r``, if given): a clear of ``.grad`` here follows a micro-step's
-        step(), where optimizer.zero_grad() is harmless (docs/optimizers.md)."""
+    def _between_micro_steps(self) -> bool:
+        """A counted window (accum_steps=N) holds sums of earlier micro-steps,
+        and no gradient arrived since the last step(): a clear of ``.grad``
+        here follows a micro-step's step(), where optimizer.zero_grad() is
+        harmless (docs/optimizers.md)."""
         if self.accum_steps is None or not self.window.micro_steps:
             return False
-        if r is None:
-            return not self.window.grads_since_step and bool(self.window.touched)
-        return r.index in self.window.touched and self.arrivals.get(r.index, 0) <= 1
+        return not self.window.grads_since_step and bool(self.window.touched)
 
     def _take(self, r: ParamRecord, arg=None) -> None:
         self._check_param(r)
@@ -1491,6 +1486,7 @@ class GradIntake(Intake):
                 self._sums_overwritten = True
             elif self._at_window_start():
                 self._take_cleared(r)
+        starts = self._micro_step_starts()
         sync = self.sync
         if sync.reduces_buffers and not self._reduction_queued:
             if sync.started and not (self.accum_steps is None and sync.reopen()):
@@ -1503,19 +1499,14 @@ class GradIntake(Intake):
         if grad is not r.buffer and grad is not None:
             # .grad was dropped (model.zero_grad()) or replaced: autograd made a
             # new one; it starts this param's sum over, as it would in plain
-            # PyTorch, except after a step() of a counted window, where the
-            # clear is as harmless as optimizer.zero_grad() (and intake "hooks"'):
-            # the new gradient adds to the window's sum.
+            # PyTorch, except where a counted window's micro-step starts with
+            # it: the clear followed a step(), where it is as harmless as
+            # optimizer.zero_grad() (and intake "hooks"'): it adds to the sum.
             self.window.unzeroed.discard(r.index)
             self._check_shape(r, grad)
-            # (not where the clear dropped a gradient of this micro-step: a
-            # clear between a backward and its step(), which drops every sum)
-            if self._between_micro_steps(r) and not self._cleared_after_backward():
+            if starts and r.index in self.window.touched:
                 r.buffer.add_(grad)
-                self._keep_cleared_sums()
             else:
-                if self.arrivals[r.index] > 1:  # (dropped after its gradient of this micro-step: a clear of all?)
-                    self._cleared_after_backward()
                 _copy_into(r.buffer, grad)
                 self.arrivals[r.index] = 1  # (this micro-step's earlier gradients were dropped with .grad)
             r.param.grad = r.buffer
@@ -1539,27 +1530,27 @@ class GradIntake(Intake):
         held = [(c, i) for i, c in self.arrivals.items() if c > 1 and records[i].param.grad is records[i].buffer]
         return max(held, key=lambda pair: pair[0], default=(0, -1))
 
-    def _cleared_after_backward(self) -> bool:
-        """A param that got a gradient in this micro-step has lost its ``.grad``:
-        a clear between a backward and step() (``model.zero_grad()``), which in
-        torch dropped every param's gradient. Once seen, it holds until the
-        step(): a backward since gives the params it reaches ``.grad`` again,
-        not those it does not (frozen, unused), whose sums the clear dropped."""
-        if not self._dropped_after_backward:
-            self._dropped_after_backward = any(self.layout.records[i].param.grad is None for i in self.arrivals)
-        return self._dropped_after_backward
-
-    def start_micro_step(self) -> None:
-        super().start_micro_step()
-        self._dropped_after_backward = False
+    def _micro_step_starts(self) -> bool:
+        """Whether a counted window's micro-step starts now, with its first
+        gradient after a step(): a clear since that step() was harmless, so
+        each param it dropped that holds a sum gets its buffer as ``.grad``
+        again (_keep_cleared_sums). A ``.grad`` found dropped or replaced later
+        in the micro-step was cleared after a gradient of it (between a
+        backward and its step(), or between two backwards), which in torch
+        dropped the sum too: its sum starts over (_take), or is dropped (flush())."""
+        if not self._between_micro_steps():
+            return False
+        self._keep_cleared_sums()
+        return True
 
     def _keep_cleared_sums(self) -> None:
         """A clear after a counted window's step() (``model.zero_grad()``), seen
         at this micro-step's first gradient, was harmless: every param it
         dropped that holds a sum and got no gradient yet has its buffer as
         ``.grad`` again (frozen or unused ones too), so that a clear after this
-        backward is told apart from it (flush()). Once per such backward: the
-        params swept here take their gradients into their buffers in place."""
+        gradient is told apart from it (flush()). Once per micro-step (one
+        pass over the params): those swept here take their gradients into
+        their buffers in place."""
         for r in self.layout:
             if r.param.grad is None and r.index in self.window.touched and r.index not in self.arrivals:
                 self.set_grad(r, r.buffer)
@@ -1606,12 +1597,12 @@ class GradIntake(Intake):
         """Take what was written into the buffers in place (_take_written), then
         re-attach every view whose ``.grad`` was dropped or replaced since."""
         self._take_written()
-        # A param that got a gradient in this micro-step and whose .grad is gone
-        # was cleared between a backward and step() (model.zero_grad()): as in
-        # torch, every sum that clear dropped is dropped, those of params
-        # without a gradient in this micro-step (frozen, unused) too. (A clear
-        # before the backward leaves those params a new .grad from autograd.)
-        after_backward = self._cleared_after_backward()
+        # A counted window's micro-step with no gradient yet: a clear since its
+        # step() was harmless (_micro_step_starts), and the sums stay. After its
+        # first gradient, a .grad dropped was dropped after it (model.zero_grad()
+        # between a backward and step()): as in torch, its sum is dropped, those
+        # of params without a gradient in this micro-step (frozen, unused) too.
+        harmless = self._between_micro_steps()
         for r in self.layout:
             grad = r.param.grad
             if grad is r.buffer and not self.layout.aliased(r):
@@ -1626,7 +1617,7 @@ class GradIntake(Intake):
             if frozen and not self._holds_grad(r.index):
                 continue
             # cleared or assigned after a counted window's step(), before a gradient: see _take
-            kept = self._between_micro_steps(r) and r.index not in self.arrivals and not after_backward
+            kept = harmless and r.index in self.window.touched
             if grad is None and kept:
                 pass  # harmless
             elif grad is None:
@@ -1742,6 +1733,7 @@ class GradIntake(Intake):
             if r.param.grad is None:
                 r.buffer.zero_()
             else:
+                self._micro_step_starts()  # (this write may be its first gradient)
                 self.window.touched.add(r.index)
                 self.window.grads_since_step = True
         self._account_writes()
