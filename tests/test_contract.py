@@ -1113,16 +1113,27 @@ def test_hooks_a_grad_assigned_and_taken_in_by_state_dict_is_torchs(then):
     assert _unchanged(model.parameters(), before)
 
 
-@pytest.mark.parametrize("clear", ["zero_grad(False)", "data.zero_()"])
-def test_hooks_a_gradient_added_into_grad_is_kept_by_the_native_inbox(clear):
-    """Intake "hooks": a gradient added into ``.grad`` (``p.grad.add_(g)``,
-    taken as the param's hook takes one) before a backward of the same
-    micro-step, in a window after the first: the native inbox, which had not
-    seen it, took the backward's gradients as the params' first and folded
-    each bucket over it: the added gradient was lost, 1e-3 off torch's,
-    silently (found by the one-process fuzz's sweep). The inbox now hands
-    the rest of that micro-step to Python."""
-    ops = ["backward", "step", "zero_grad", "backward", "step", clear, "add g", "backward", "step"]
+@pytest.mark.parametrize(
+    "given",
+    [
+        ["zero_grad(False)", "add g"],
+        ["data.zero_()", "add g"],
+        ["zero_grad", "p2 = 0.5", "state_dict"],
+        ["zero_grad(False)", "p2 = 0.5", "state_dict"],
+    ],
+    ids=["added", "added-data", "assigned", "assigned-kept"],
+)
+def test_hooks_a_gradient_taken_in_past_the_native_inbox_is_kept(given):
+    """Intake "hooks": a gradient taken in where the native inbox did not see
+    it, before a backward of the same micro-step, in a window after the
+    first: one added into ``.grad`` (``p.grad.add_(g)``, taken as the
+    param's hook takes one), or a tensor assigned there that state_dict()
+    took in. The inbox took the backward's gradients as the params' first
+    and folded each bucket over it, by the modes it had worked out at the
+    last step(): the gradient was lost, 1e-3 and 5e-2 off torch's,
+    silently (the first found by the one-process fuzz's sweep). The inbox
+    now hands the rest of that micro-step to Python."""
+    ops = ["backward", "step", "zero_grad", "backward", "step", *given, "backward", "step"]
     _step_pair("hooks", ops, "SGD")
 
 

@@ -740,11 +740,16 @@ class HookIntake(Intake):
     def added(self, index: int, grad: torch.Tensor) -> None:
         """A gradient added into param ``index``'s marker where no hook of ours
         saw it (``p.grad.add_(g)``; autograd's add after an unfreeze, before
-        the param is hooked): taken as its hook takes one. The native inbox,
-        which did not see it, hands the rest of the micro-step to Python: it
-        would take the param's next gradient as its first and fold the
-        bucket over this one (the gradient added was lost)."""
+        the param is hooked): taken as its hook takes one."""
         self._arrive(index, grad)
+        self._taken_past_inbox()
+
+    def _taken_past_inbox(self) -> None:
+        """A gradient was taken in where the native inbox did not see it (added
+        into ``.grad``, or a tensor assigned there that state_dict() took in):
+        the rest of the micro-step goes through Python. The inbox would take
+        the param's next gradient as its first and fold the bucket by the
+        modes worked out before, over this one (it was lost)."""
         if self._inbox is not None:
             _native._C.inbox_start(self._inbox, False)
 
@@ -933,6 +938,7 @@ class HookIntake(Intake):
         self._queue(r, r.local_grad())
         r.param.grad = self._markers[r.index][1]
         self.window.grads_since_step = True
+        self._taken_past_inbox()
 
     def flush(self) -> None:
         """Fold the gradients still waiting in incomplete buckets (params that
