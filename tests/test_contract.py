@@ -703,6 +703,42 @@ COUNTED_OPS = [
 ]
 
 
+class _CountedTorchLoop:
+    """torch.optim's loop that a counted window of ours (accum_steps=``micro``)
+    stands for, called with each of our loop's calls (COUNTED_OPS): each
+    loss divided by ``micro``, step() and zero_grad() at every micro-th
+    step() call (``steps`` counts them). A clear after a step() with no
+    backward since is skipped (harmless in ours: the window is the
+    wrapper's); one between a backward and its step() is torch's, and
+    zero_grad() there starts the count of step() calls over. "rebuild" is
+    ours only."""
+
+    def __init__(self, micro: int) -> None:
+        self.model, self.micro = _mlp(), micro
+        self.opt = torch.optim.AdamW(self.model.parameters(), **FUSED["AdamW"])
+        self.gen = torch.Generator().manual_seed(3)
+        self.calls, self.since_backward, self.steps = 0, False, 0
+
+    def __call__(self, op: str) -> None:
+        model, opt = self.model, self.opt
+        if op in ("backward", "backward p0"):
+            loss = model(torch.randn(4, 5, generator=self.gen)).pow(2).mean() / self.micro
+            loss.backward(inputs=[model[0].weight] if op == "backward p0" else None)
+            self.since_backward = True
+        elif op == "step":
+            self.calls, self.since_backward = self.calls + 1, False
+            if self.calls % self.micro == 0:
+                opt.step()
+                opt.zero_grad()
+                self.steps += 1
+        elif op in ("lr", "reload", "state_dict", "freeze p1", "unfreeze p1"):
+            _apply(op, model, opt, self.gen, [])
+        elif self.since_backward:  # a clear between a backward and its step()
+            _apply(op, model, opt, self.gen, [])
+            if op == "zero_grad":
+                self.calls, self.since_backward = 0, False
+
+
 class _MicroStepGrads:
     """What a counted window's loop gave each param since its last step()
     call (one micro-step), to check a refusal of ours: the gradients each
@@ -758,38 +794,21 @@ def test_random_counted_window_loops_train_as_torch_or_are_refused(intake):
 
     def one_loop() -> bool:
         ops = [rng.choice(COUNTED_OPS) for _ in range(rng.randint(4, 16))] + ["step"] * micro
-        model, plain_model = _mlp(), _mlp()
+        model, plain = _mlp(), _CountedTorchLoop(micro)
         opt = ak.AdamW(model.parameters(), **FUSED["AdamW"], accum_steps=micro, intake=intake)
-        plain_opt = torch.optim.AdamW(plain_model.parameters(), **FUSED["AdamW"])
-        gens = [torch.Generator().manual_seed(3) for _ in range(2)]
-        calls, since_backward, steps, given = 0, False, 0, _MicroStepGrads(model, intake)
+        gen, given = torch.Generator().manual_seed(3), _MicroStepGrads(model, intake)
         for k, op in enumerate(ops):
             before = [p.detach().clone() for p in model.parameters()]
             try:
-                opt = _apply(op, model, opt, gens[0], []) or opt
+                opt = _apply(op, model, opt, gen, []) or opt
             except RuntimeError as e:
                 assert _unchanged(model.parameters(), before), f"{ops[: k + 1]}: refused after a change"
                 assert given.explains(str(e)), f"{intake} {ops[: k + 1]}: refused where the loop did not: {e}"
                 return False
             given.after(op)
-            if op in ("backward", "backward p0"):
-                loss = plain_model(torch.randn(4, 5, generator=gens[1])).pow(2).mean() / micro
-                loss.backward(inputs=[plain_model[0].weight] if op == "backward p0" else None)
-                since_backward = True
-            elif op == "step":
-                calls, since_backward = calls + 1, False
-                if calls % micro == 0:
-                    plain_opt.step()
-                    plain_opt.zero_grad()
-                    steps += 1
-            elif op in ("lr", "reload", "state_dict", "freeze p1", "unfreeze p1"):
-                _apply(op, plain_model, plain_opt, gens[1], [])
-            elif since_backward:  # a clear between a backward and its step()
-                _apply(op, plain_model, plain_opt, gens[1], [])
-                if op == "zero_grad":
-                    calls, since_backward = 0, False
+            plain(op)
         try:
-            _assert_fused_close(list(model.parameters()), list(plain_model.parameters()), steps=max(steps, 1))
+            _assert_fused_close(list(model.parameters()), list(plain.model.parameters()), steps=max(plain.steps, 1))
         except AssertionError as e:
             raise AssertionError(f"{intake} {ops}: {e}") from None
         return True
@@ -1470,9 +1489,9 @@ def test_zero_grad_after_loading_a_checkpoint_saved_after_backward(intake, old_c
     _step_pair(intake, ["backward", "reload", "zero_grad", "norm", "backward", "step"])
 
 
-# Counted-window loops (accum_steps=3) with a clear between a backward and its
-# step(), each once under ours (intake "grad", "rebuild" where ours is rebuilt)
-# and once under torch's loop that divides each loss by 3 and steps once at the end.
+# Counted-window loops (accum_steps=3, three step() calls: one window) with a
+# clear between a backward and its step(), under ours (intake "grad",
+# "rebuild" where ours is rebuilt) and torch's (_CountedTorchLoop).
 CLEARS_AFTER_A_BACKWARD = {
     # the clear finds the biases and the second weight without a gradient
     # this micro-step: they were taken as a harmless clear after a step()
@@ -1512,27 +1531,16 @@ def test_a_counted_windows_clear_after_a_backward_is_torchs(case):
     params no backward reaches after it (frozen, unused); a micro-step whose
     gradients a clear dropped counts only those given since (one backward
     per step() call)."""
-    runs = []
-    for ours in (True, False):
-        model = _mlp()
-        params = list(model.parameters())
-        opt = ak.AdamW(params, **FUSED["AdamW"], accum_steps=3, intake="grad") if ours else _torch("AdamW")(params)
-        gen, since_backward = torch.Generator().manual_seed(3), False
-        for op in CLEARS_AFTER_A_BACKWARD[case]:
-            if ours:
-                opt = _apply(op, model, opt, gen, []) or opt
-            elif op.startswith("backward"):
-                loss = model(torch.randn(4, 5, generator=gen)).pow(2).mean() / 3
-                loss.backward(inputs=[params[0]] if op == "backward p0" else None)
-                since_backward = True
-            elif op == "step":
-                since_backward = False
-            elif op == "freeze p1" or since_backward:  # (a clear after a step() is harmless in ours)
-                _apply(op, model, opt, gen, [])
-        if not ours:
-            opt.step()
-        runs.append(params)
-    _assert_fused_close(*runs, steps=1)
+    model, plain = _mlp(), _CountedTorchLoop(3)
+    opt, gen = (
+        ak.AdamW(model.parameters(), **FUSED["AdamW"], accum_steps=3, intake="grad"),
+        torch.Generator().manual_seed(3),
+    )
+    for op in CLEARS_AFTER_A_BACKWARD[case]:
+        opt = _apply(op, model, opt, gen, []) or opt
+        plain(op)
+    assert plain.steps == 1
+    _assert_fused_close(list(model.parameters()), list(plain.model.parameters()), steps=1)
 
 
 @pytest.mark.parametrize("intake", ["grad", "hooks"])
