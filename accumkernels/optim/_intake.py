@@ -1492,7 +1492,7 @@ class GradIntake(Intake):
                 self._sums_overwritten = True
             elif self._at_window_start():
                 self._take_cleared(r)
-        starts = self._micro_step_starts()
+        starts = not self.window.grads_since_step and self._micro_step_starts()  # (once a micro-step: no calls after)
         sync = self.sync
         if sync.reduces_buffers and not self._reduction_queued:
             if sync.started and not (self.accum_steps is None and sync.reopen()):
