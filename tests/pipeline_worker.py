@@ -11,6 +11,7 @@ the whole model on all data-parallel ranks' batches (window_gradients).
 from __future__ import annotations
 
 import functools
+import gc
 
 import torch
 import torch.distributed as dist
@@ -203,6 +204,43 @@ def mesh_against_ddp(cfg, rank, world):
     return out
 
 
+def stale_meshes(cfg, rank, world):
+    """Which data-parallel group a stage's wrapper finds on a (pp=2, dp=2)
+    mesh while two other (2, 2) meshes are alive (a run's meshes that its
+    caller dropped but gc has not collected yet), younger than it, so that a
+    scan of the live objects meets them first: the mesh whose pp group the
+    stage was built with ("meant"; before, the first mesh met with a pp
+    group of the same ranks, so each rank could take another's and hang in
+    its reductions). A stage over a pipeline group of the user's own
+    (dist.new_group of the same ranks) is found by ranks: refused while the
+    three meshes live ("ambiguous"), found once the other two are dropped
+    ("by_ranks"; the first case of its ranks' run: a mesh of an FSDP2 case
+    before it lives on in torch's DTensor caches, and would make it
+    ambiguous too)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    gc.collect()  # the mesh meant is now in gc's oldest generation, which a scan of the live objects reads last
+    others = [init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp")) for _ in range(2)]
+    pp_rank, pp_ranks = mesh["pp"].get_local_rank(), dist.get_process_group_ranks(mesh["pp"].get_group())
+    own = {tuple(ranks): dist.new_group(ranks) for ranks in ([0, 2], [1, 3])}[tuple(pp_ranks)]
+    sub = stage_module(full_model(), pp_rank)
+
+    def dp_group(pp_group):
+        stage = PipelineStage(sub, pp_rank, 2, torch.device("cpu"), group=pp_group)
+        opt = ak.AccumulatingOptimizer(make_inner(sub.parameters()), backend=cfg["backend"])
+        del stage
+        opt.close()
+        return opt.process_group
+
+    out = {"meant": dp_group(mesh["pp"].get_group()) is mesh["dp"].get_group()}
+    out["ambiguous"] = _error(lambda: dp_group(own))
+    del others
+    out["by_ranks"] = dp_group(own) is mesh["dp"].get_group()
+    return out
+
+
 def _four_stages() -> nn.Sequential:
     torch.manual_seed(1234)
     return nn.Sequential(
@@ -346,6 +384,7 @@ SCENARIOS = {
     "mesh_pp_dp": mesh_pp_dp,
     "mesh_against_ddp": mesh_against_ddp,
     "mesh_stages": mesh_stages,
+    "stale_meshes": stale_meshes,
     "refusals": refusals,
 }
 

@@ -28,6 +28,7 @@ CASES_2 = {
     "1f1b-hooks-clip": dict(scenario="pipeline_only", schedule="1f1b", intake="hooks", clip=CLIP),
 }
 CASES_4 = {
+    "stale-meshes": dict(scenario="stale_meshes"),  # first: no earlier case's mesh may live on
     "mesh-1f1b": dict(scenario="mesh_pp_dp", schedule="1f1b"),
     "mesh-1f1b-clip": dict(scenario="mesh_pp_dp", schedule="1f1b", clip=CLIP),
     "mesh-1f1b-torch-clip": dict(scenario="mesh_pp_dp", schedule="1f1b", torch_clip=CLIP),
@@ -145,6 +146,19 @@ def test_a_pp_by_dp_mesh_trains_as_torch(runs, case):
             assert "plain module (ddp.module)" in result["ddp_stage"]
         if case == "mesh-interleaved-fsdp":
             assert "one optimizer over the params of all of this process's stages" in ours["one_per_stage"]
+
+
+def test_a_stage_reduces_over_the_mesh_it_was_built_on(runs):
+    """The stage's wrapper takes the dp group of the mesh whose pp group the
+    stage was built with, where younger (2, 2) meshes live beside it (the
+    scan meets them first: before, each rank took the first with a pp group
+    of the same ranks, and 4-rank runs of this module hung beside other
+    tests); a stage over a pipeline group of the user's own is found by its
+    ranks where one mesh has them, and refused, naming process_group=,
+    where several do."""
+    for result in (r["stale-meshes"] for r in runs[4]):
+        assert result["meant"] and result["by_ranks"]
+        assert "3 live 2-D device meshes" in result["ambiguous"] and "process_group=" in result["ambiguous"]
 
 
 def test_what_a_pipeline_must_not_train_silently(runs):

@@ -10,7 +10,9 @@ abort the process inside the collective). So a wrapper whose params a
 
 - no other pipeline (the stage's group is the world): no reduction at all;
 - pipelines side by side on a device mesh (PP x DP): the mesh dimension that
-  is not the stage's group, found among the process's DeviceMesh objects;
+  is not the stage's group, found among the process's DeviceMesh objects (the
+  mesh whose dimension is the stage's group object; only where none is, the
+  one whose dimension has its ranks);
 - anything else (a group of the user's own, a mesh with more dimensions):
   refused, naming ``process_group=``.
 
@@ -30,6 +32,8 @@ stages' squared norms over the pipeline group (``Sync.over_stages``).
 """
 
 from __future__ import annotations
+
+import gc
 
 import torch.distributed as dist
 
@@ -113,26 +117,55 @@ def _then_reduce(stage, method):
     return call
 
 
-def _same_group(a, b) -> bool:
-    return a is b or dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)
+def _same_ranks(a, b) -> bool:
+    return dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)
+
+
+def _other_dimensions(group, match) -> list:
+    """The other dimension's group of each live 2-D world-sized DeviceMesh one
+    of whose dimensions' groups ``match(that group, group)``, each group once."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    found = []
+    for mesh in live_instances(DeviceMesh):
+        if mesh.ndim != 2 or mesh.size() != dist.get_world_size():
+            continue
+        for dim in range(2):
+            other = mesh.get_group(1 - dim)
+            if match(mesh.get_group(dim), group) and all(other is not g for g in found):
+                found.append(other)
+    return found
 
 
 def data_parallel_group(stage):
     """The group over which the wrapper of ``stage``'s params reduces: None
     where the stage has no replica (its pipeline spans the world), else the
     other dimension of the 2-D device mesh whose one dimension is the stage's
-    group. Raises where neither holds."""
+    group. Raises where neither holds, or where several meshes would.
+
+    The mesh whose dimension *is* the stage's group object comes first. By
+    ranks alone, a mesh an earlier run built and dropped, not yet garbage-
+    collected, matches too (its groups have the same ranks): each rank could
+    take another mesh's group, and their reductions would then wait on each
+    other forever (tests/test_pipeline.py hung so, beside other tests, until
+    2026-12-07). So a match by ranks is looked for only after a collection,
+    and must be the only one."""
     group = stage.group or dist.group.WORLD
     if dist.get_world_size(group) == dist.get_world_size():
         return None
-    from torch.distributed.device_mesh import DeviceMesh
-
-    for mesh in live_instances(DeviceMesh):
-        if mesh.ndim != 2 or mesh.size() != dist.get_world_size():
-            continue
-        for dim in range(2):
-            if _same_group(mesh.get_group(dim), group):
-                return mesh.get_group(1 - dim)
+    found, how = _other_dimensions(group, lambda a, b: a is b), "have a dimension that is"
+    if not found:
+        gc.collect()
+        found, how = _other_dimensions(group, _same_ranks), "have a dimension with the ranks of"
+    if len(found) == 1:
+        return found[0]
+    if found:
+        raise ValueError(
+            f"these params belong to pipeline stage {stage.stage_index}, and {len(found)} live 2-D device meshes "
+            f"{how} its pipeline group, each with another data-parallel dimension: which one the stage's replicas "
+            "reduce over is not known. Pass process_group= the stage's data-parallel group (e.g. mesh['dp'] of "
+            "the mesh meant), or build the PipelineStage with group=mesh['pp'].get_group() of one mesh"
+        )
     raise ValueError(
         f"these params belong to pipeline stage {stage.stage_index} of a pipeline group of "
         f"{dist.get_world_size(group)} ranks out of {dist.get_world_size()}, and no 2-D device mesh (pipeline x data "
