@@ -57,16 +57,11 @@ build: $(VENV)/.built
 # class) at a time: a module that spawns ranks for its tests does so once.
 # make test runs every test but those marked slow (pyproject.toml says which);
 # make test-slow runs those, and CI runs both, then the seed sweep.
-PYTEST_ALONE := ACCUMKERNELS_REQUIRE_FRAMEWORKS=1 $(PY) -m pytest -ra
-PYTEST := $(PYTEST_ALONE) -n 2 --dist loadscope
+PYTEST := ACCUMKERNELS_REQUIRE_FRAMEWORKS=1 $(PY) -m pytest -ra -n 2 --dist loadscope
 SEEDS  ?= 10
 
-# tests/test_pipeline.py runs alone after the rest: beside another worker's
-# tests its 4-rank run hung in torch's own pipeline loop on 2026-12-06 (a stage
-# waiting on a recv the other had no send for), never alone (13 runs).
 test: build
-	$(PYTEST) -m "not slow" --ignore=tests/test_pipeline.py
-	$(PYTEST_ALONE) -m "not slow" tests/test_pipeline.py
+	$(PYTEST) -m "not slow"
 
 # ruff's lint and format check (pyproject.toml's [tool.ruff]); make format rewrites the files.
 lint: $(VENV)/.deps
@@ -83,7 +78,7 @@ test-slow: build
 # The "hooks" intake's tests once more with its Python pre-hooks only (as
 # without the extension) instead of the native inbox (tests/conftest.py). Not
 # tests/test_pipeline.py: its ranks are spawned processes, which the switch
-# does not reach (make test runs them; see there).
+# does not reach (make test runs them).
 PYTHON_HOOK_TESTS := tests/test_optimizer.py tests/test_contract.py tests/test_lean_window.py tests/test_amp.py \
 	tests/test_conformance.py
 test-python-hooks: build

@@ -43,8 +43,6 @@ NUMERIC_MODULES = [
     "tests/test_distributed.py",
     "tests/test_pipeline.py",
 ]
-# Run alone after the others at each seed, as make test runs it (see the Makefile).
-ALONE = ["tests/test_pipeline.py"]
 
 
 def command(modules: list[str], workers: int) -> list[str]:
@@ -73,27 +71,20 @@ def main() -> int:
     parser.add_argument("modules", nargs="*", default=NUMERIC_MODULES, help="test modules (default: the numeric ones)")
     args = parser.parse_args()
     seeds = args.seed or [random.SystemRandom().randrange(2**31) for _ in range(args.seeds)]
-    parallel, alone = [m for m in args.modules if m not in ALONE], [m for m in args.modules if m in ALONE]
-    # (no command for an empty list: pytest would run every test it finds)
-    cmds = [command(modules, workers) for modules, workers in ((parallel, args.workers), (alone, 0)) if modules]
+    cmd = command(args.modules, args.workers)
     print(f"seed sweep: {len(seeds)} seeds {seeds} over {len(args.modules)} modules", flush=True)
     failed, start = [], time.monotonic()
     for i, seed in enumerate(seeds, 1):
         t0 = time.monotonic()
         env = dict(os.environ, ACCUMKERNELS_TEST_SEED=str(seed))
-        runs = [
-            subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for cmd in cmds
-        ]
-        summary = " + ".join(d.stdout.strip().splitlines()[-1] if d.stdout.strip() else "(no output)" for d in runs)
+        done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else "(no output)"
         print(f"[{i}/{len(seeds)}] seed {seed}: {summary} ({time.monotonic() - t0:.0f} s)", flush=True)
-        if any(done.returncode != 0 for done in runs):
+        if done.returncode != 0:
             failed.append(seed)
-        for cmd, done in zip(cmds, runs):
-            if done.returncode != 0:
-                print(done.stdout[-20000:], flush=True)
-                replay = " ".join(shlex.quote(c) for c in cmd).replace(sys.executable, ".venv/bin/python")
-                print(f"replay: ACCUMKERNELS_TEST_SEED={seed} {replay}", flush=True)
+            print(done.stdout[-20000:], flush=True)
+            replay = " ".join(shlex.quote(c) for c in cmd).replace(sys.executable, ".venv/bin/python")
+            print(f"replay: ACCUMKERNELS_TEST_SEED={seed} {replay}", flush=True)
     print(
         f"seed sweep: {len(seeds) - len(failed)} passed, {len(failed)} failed "
         f"({time.monotonic() - start:.0f} s){f'; failing seeds {failed}' if failed else ''}",
