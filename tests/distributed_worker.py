@@ -542,14 +542,22 @@ SCENARIOS = {
 }
 
 
+def join_gloo(rank: int, world: int, init_file: str) -> None:
+    """A spawned rank joins the gloo group: one thread (2 cores for all the
+    ranks), and a bounded timeout, so that a test that desynchronizes the
+    ranks fails instead of hanging CI. Groups made later (dist.new_group,
+    init_device_mesh's) take torch's default, 30 minutes, which no argument
+    of init_device_mesh sets: the module default they read is set too."""
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=120)
+    dist.distributed_c10d.default_pg_timeout = timeout
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timeout)
+
+
 def run_cases(rank: int, world: int, init_file: str, out_dir: str, cases: dict, run_case) -> None:
     """A spawned rank: join the gloo group, ``run_case(cfg, rank, world)`` for
     each case (every rank in step), save this rank's results in ``out_dir``."""
-    torch.set_num_threads(1)
-    # A bounded timeout: a test that desynchronizes the ranks fails instead of hanging CI.
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
-    )
+    join_gloo(rank, world, init_file)
     try:
         results = {}
         for key, cfg in cases.items():

@@ -5,7 +5,6 @@ returns a picklable dict; results go to one file per rank."""
 from __future__ import annotations
 
 import copy
-import datetime
 import io
 import os
 import random
@@ -13,6 +12,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from distributed_worker import join_gloo
 from helpers import gradients_at
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -439,10 +439,7 @@ SCENARIOS = {
 
 
 def main(rank: int, world: int, init_file: str, out_dir: str, cases: dict) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
-    )
+    join_gloo(rank, world, init_file)
     mesh = init_device_mesh("cpu", (world,))
     results = {}
     for key, cfg in cases.items():
