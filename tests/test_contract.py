@@ -694,6 +694,7 @@ COUNTED_OPS = [
     "zero_grad",
     "model.zero_grad",
     "p0 = None",
+    "p2 = 0.5",
     "freeze p1",
     "unfreeze p1",
     "lr",
@@ -710,57 +711,94 @@ class _CountedTorchLoop:
     step() call (``steps`` counts them). A clear after a step() with no
     backward since is skipped (harmless in ours: the window is the
     wrapper's); one between a backward and its step() is torch's, and
-    zero_grad() there starts the count of step() calls over. "rebuild" is
-    ours only."""
+    zero_grad() there starts the count of step() calls over. "p2 = 0.5"
+    after a step() is a micro-batch's gradient (divided by N, as the
+    window's), added to the window at the micro-step's first backward or
+    step(), or once a state_dict() takes it in, unless a clear drops it
+    before (ours refuses a clear after the state_dict(): docs/optimizers.md);
+    after a backward it replaces the window's sum, as in torch. "rebuild"
+    is ours only."""
 
     def __init__(self, micro: int) -> None:
         self.model, self.micro = _mlp(), micro
         self.opt = torch.optim.AdamW(self.model.parameters(), **FUSED["AdamW"])
         self.gen = torch.Generator().manual_seed(3)
         self.calls, self.since_backward, self.steps = 0, False, 0
+        self.assigned = None  # "p2 = 0.5" after a step(), not added yet
+
+    def _add_assigned(self) -> None:
+        p2 = list(self.model.parameters())[2]
+        if self.assigned is not None:
+            p2.grad = self.assigned if p2.grad is None else p2.grad + self.assigned
+        self.assigned = None
 
     def __call__(self, op: str) -> None:
         model, opt = self.model, self.opt
         if op in ("backward", "backward p0"):
+            self._add_assigned()
             loss = model(torch.randn(4, 5, generator=self.gen)).pow(2).mean() / self.micro
             loss.backward(inputs=[model[0].weight] if op == "backward p0" else None)
             self.since_backward = True
         elif op == "step":
+            self._add_assigned()
             self.calls, self.since_backward = self.calls + 1, False
             if self.calls % self.micro == 0:
                 opt.step()
                 opt.zero_grad()
                 self.steps += 1
+        elif op == "p2 = 0.5":
+            grad = torch.full_like(list(model.parameters())[2], 0.5 / self.micro)
+            if self.since_backward:
+                list(model.parameters())[2].grad = grad
+            else:
+                self.assigned = grad
         elif op in ("lr", "reload", "state_dict", "freeze p1", "unfreeze p1"):
+            if op in ("reload", "state_dict"):
+                self._add_assigned()
             _apply(op, model, opt, self.gen, [])
+        elif op == "rebuild":
+            self._add_assigned()
+            if self.since_backward:
+                _apply(op, model, opt, self.gen, [])
         elif self.since_backward:  # a clear between a backward and its step()
             _apply(op, model, opt, self.gen, [])
             if op == "zero_grad":
                 self.calls, self.since_backward = 0, False
+        elif op in ("zero_grad", "model.zero_grad"):  # (harmless, but it drops what was assigned since)
+            self.assigned = None
 
 
 class _MicroStepGrads:
     """What a counted window's loop gave each param since its last step()
     call (one micro-step), to check a refusal of ours: the gradients each
     param got (``counts``: a backward reaches every param that requires a
-    gradient, "backward p0" the first weight) and those dropped after their
-    backward (``dropped``: "p0 = None", ``model.zero_grad()``). With intake
-    "grad" a clear drops the sums it clears, and the count starts over; with
-    "hooks" it is refused (zero_grad()) or the next call is (docs/optimizers.md)."""
+    gradient, "backward p0" the first weight) and those dropped or replaced
+    after their backward (``dropped``: "p0 = None", ``model.zero_grad()``,
+    "p2 = 0.5"). With intake "grad" a clear drops the sums it clears, and
+    the count starts over; with "hooks" it is refused (zero_grad()) or the
+    next call is, as is a clear of a tensor assigned to ``.grad`` that a
+    state_dict() took in (``taken``: "state_dict", "reload", "rebuild")
+    (docs/optimizers.md)."""
 
     def __init__(self, model, intake: str) -> None:
         self.params, self.intake = list(model.parameters()), intake
-        self.counts, self.dropped = {}, set()
+        self.counts, self.dropped, self.assigned, self.taken = {}, set(), False, False
 
     def after(self, op: str) -> None:
         if op == "step":
-            self.counts, self.dropped = {}, set()
-        elif op in ("backward", "backward p0"):
+            self.counts, self.dropped, self.assigned, self.taken = {}, set(), False, False
+        elif op == "p2 = 0.5" and not self.counts.get(2):
+            self.assigned = True
+        elif op in ("state_dict", "reload", "rebuild"):
+            self.taken |= self.assigned
+        if op in ("zero_grad", "model.zero_grad"):
+            self.assigned = False
+        if op in ("backward", "backward p0"):
             reached = [0] if op == "backward p0" else [i for i, p in enumerate(self.params) if p.requires_grad]
             for i in reached:
                 self.counts[i] = self.counts.get(i, 0) + 1
-        elif op in ("zero_grad", "model.zero_grad", "p0 = None"):
-            cleared = {0} if op == "p0 = None" else set(self.counts)
+        elif op in ("zero_grad", "model.zero_grad", "p0 = None", "p2 = 0.5"):
+            cleared = {0} if op == "p0 = None" else {2} if op == "p2 = 0.5" else set(self.counts)
             if self.intake == "grad":
                 self.counts = {i: c for i, c in self.counts.items() if i not in cleared}
             else:
@@ -771,10 +809,12 @@ class _MicroStepGrads:
         if match := re.search(r"param (\d+) got (\d+) gradients", message):
             index, count = int(match[1]), int(match[2])
             return count >= 2 and self.counts.get(index) == count
-        if match := re.search(r"param (\d+)'s \.grad was set to None after its backward", message):
+        if match := re.search(r"param (\d+)'s \.grad was (?:set to None|replaced) after its backward", message):
             return int(match[1]) in self.dropped
         if "zero_grad() between a backward and step()" in message:
             return self.intake == "hooks" and bool(self.counts)
+        if "took in" in message:  # (a tensor assigned to .grad that a state_dict() took in, then cleared)
+            return self.taken
         return False
 
 
@@ -1541,6 +1581,66 @@ def test_a_counted_windows_clear_after_a_backward_is_torchs(case):
         plain(op)
     assert plain.steps == 1
     _assert_fused_close(list(model.parameters()), list(plain.model.parameters()), steps=1)
+
+
+_WINDOW = ["backward", "step"] * 3  # (two windows first: AdamW's first steps hide a gradient's size)
+
+# Counted-window loops (accum_steps=3) with a tensor assigned to .grad after a
+# micro-step's step(): a micro-batch's gradient, added to the window
+# (docs/optimizers.md), under ours and torch's (_CountedTorchLoop). Intake
+# "grad" trained them differently, silently (found by the counted-window fuzz
+# once it assigned .grad):
+ASSIGNED_BETWEEN_MICRO_STEPS = {
+    # the window's earlier micro-steps of the param were dropped, the tensor
+    # taken as a replacement, for every param but the one the micro-step's
+    # backward reached first (2e-3 off torch's)
+    "before a backward": _WINDOW * 2 + ["backward", "step", "p2 = 0.5", "backward", "step", "backward", "step"],
+    # zero_grad() joined the tensor to the window first, then discarded the
+    # window and started its count over: the three step() calls stepped nothing
+    "cleared": ["backward", "step", "p2 = 0.5", "zero_grad", "step", "step"],
+    "cleared in the window's first micro-step": ["step", "p2 = 0.5", "zero_grad", "step", "backward", "step"],
+    # a state_dict() takes it in: the checkpoint holds it
+    "taken in by a state_dict()": _WINDOW * 2 + ["backward", "step", "p2 = 0.5", "reload", "backward", "step", "step"],
+}
+
+
+@pytest.mark.parametrize("intake", ["grad", "hooks"])
+@pytest.mark.parametrize("case", ASSIGNED_BETWEEN_MICRO_STEPS)
+def test_a_tensor_assigned_to_grad_between_micro_steps_is_a_gradient_of_the_window(intake, case):
+    """accum_steps=3: a tensor assigned to .grad after a micro-step's step()
+    is added to the window as a micro-batch's gradient, with either intake,
+    whether a backward follows in its micro-step or not; a harmless clear
+    before its micro-step's gradient drops it, and only it."""
+    model, plain = _mlp(), _CountedTorchLoop(3)
+    opt, gen = (
+        ak.AdamW(model.parameters(), **FUSED["AdamW"], accum_steps=3, intake=intake),
+        torch.Generator().manual_seed(3),
+    )
+    for op in ASSIGNED_BETWEEN_MICRO_STEPS[case]:
+        opt = _apply(op, model, opt, gen, []) or opt
+        plain(op)
+    assert opt.window_stepped
+    _assert_fused_close(list(model.parameters()), list(plain.model.parameters()), steps=plain.steps)
+
+
+@pytest.mark.parametrize("intake", ["grad", "hooks"])
+@pytest.mark.parametrize("clear", ["zero_grad", "model.zero_grad"])
+def test_a_tensor_assigned_to_grad_that_a_state_dict_took_in_is_not_cleared(intake, clear):
+    """accum_steps=3: once a state_dict() took in a tensor assigned to .grad
+    between micro-steps (the checkpoint holds it in the window's sums), a
+    clear of it before step() is refused, with either intake, before a param
+    changes. (Intake "grad" let zero_grad() discard the whole window, and
+    model.zero_grad() drop every sum at step(), silently.)"""
+    model = _mlp()
+    opt = ak.AdamW(model.parameters(), **FUSED["AdamW"], accum_steps=3, intake=intake)
+    gen = torch.Generator().manual_seed(3)
+    for op in ["backward", "step", "p2 = 0.5", "state_dict"]:
+        _apply(op, model, opt, gen, [])
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="took in"):
+        for op in [clear, "backward", "step", "step"]:
+            _apply(op, model, opt, gen, [])
+    assert _unchanged(model.parameters(), before)
 
 
 @pytest.mark.parametrize("intake", ["grad", "hooks"])

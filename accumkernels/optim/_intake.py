@@ -1543,7 +1543,9 @@ class GradIntake(Intake):
         again (_keep_cleared_sums). A ``.grad`` found dropped or replaced later
         in the micro-step was cleared after a gradient of it (between a
         backward and its step(), or between two backwards), which in torch
-        dropped the sum too: its sum starts over (_take), or is dropped (flush())."""
+        dropped the sum too: its sum starts over (_take), or is dropped (flush()).
+        A tensor taken in and dropped since (_taken_in) is refused first."""
+        self._refuse_taken_in_dropped()
         if not self._between_micro_steps():
             return False
         self._keep_cleared_sums()
@@ -1554,12 +1556,26 @@ class GradIntake(Intake):
         at this micro-step's first gradient, was harmless: every param it
         dropped that holds a sum and got no gradient yet has its buffer as
         ``.grad`` again (frozen or unused ones too), so that a clear after this
-        gradient is told apart from it (flush()). Once per micro-step (one
-        pass over the params): those swept here take their gradients into
-        their buffers in place."""
+        gradient is told apart from it (flush()). A tensor assigned to such a
+        param's ``.grad`` there is a gradient added to the window, as flush()
+        takes one at a step() (and intake "hooks" at either): it is added into
+        the buffer, which becomes ``.grad`` again. (Before, only the param of
+        the micro-step's first gradient added it: any other took it as a
+        replacement, dropping the window's earlier micro-steps.) Once per
+        micro-step (one pass over the params): those swept here take their
+        gradients into their buffers in place."""
+        version = self.layout.flat._version
         for r in self.layout:
-            if r.param.grad is None and r.index in self.window.touched and r.index not in self.arrivals:
-                self.set_grad(r, r.buffer)
+            grad = r.param.grad
+            if grad is r.buffer or r.index not in self.window.touched or r.index in self.arrivals:
+                continue
+            if grad is not None:
+                self._check_shape(r, grad)
+                r.buffer.add_(grad)
+                self.window.unzeroed.discard(r.index)
+                self._used.discard(r.index)
+            self.set_grad(r, r.buffer)
+        self._seen_version += self.layout.flat._version - version  # (the adds above are the intake's own)
 
     def _reattach(self, r: ParamRecord) -> None:
         """``r.buffer`` (still ``.grad``) was moved out of the flat buffer: its
@@ -1602,6 +1618,7 @@ class GradIntake(Intake):
     def flush(self) -> None:
         """Take what was written into the buffers in place (_take_written), then
         re-attach every view whose ``.grad`` was dropped or replaced since."""
+        self._refuse_taken_in_dropped()
         self._take_written()
         # A counted window's micro-step with no gradient yet: a clear since its
         # step() was harmless (_micro_step_starts), and the sums stay. After its
@@ -1609,6 +1626,9 @@ class GradIntake(Intake):
         # between a backward and step()): as in torch, its sum is dropped, those
         # of params without a gradient in this micro-step (frozen, unused) too.
         harmless = self._between_micro_steps()
+        # A tensor assigned to .grad there is a gradient of the micro-step, taken
+        # in (arrivals 0) but no backward (grads_since_step): see _taken_in.
+        assigned_is_taken_in = self.accum_steps is not None and not self.window.grads_since_step
         for r in self.layout:
             grad = r.param.grad
             if grad is r.buffer and not self.layout.aliased(r):
@@ -1640,8 +1660,11 @@ class GradIntake(Intake):
                 else:
                     _copy_into(r.buffer, grad)
                     self.arrivals.pop(r.index, None)
+                if assigned_is_taken_in:
+                    self.arrivals.setdefault(r.index, 0)
+                else:
+                    self.window.grads_since_step = True
                 self.window.touched.add(r.index)
-                self.window.grads_since_step = True
                 self._used.discard(r.index)
             self.window.unzeroed.discard(r.index)  # dropped or replaced: cleared, as in plain PyTorch
             # (a .grad dropped stays None, its buffer zero, until a gradient: _attach)
@@ -1820,8 +1843,53 @@ class GradIntake(Intake):
     def before_zero_grad(self) -> None:
         """What other code put into ``.grad`` since (written in place,
         assigned) joins the window first, so that the clear counts it
-        (``set_to_none=False`` keeps it as a zero gradient)."""
+        (``set_to_none=False`` keeps it as a zero gradient). Except a tensor
+        assigned to ``.grad`` in a counted window's micro-step without a
+        gradient yet: there the clear is harmless (torch's loop for the window
+        has none: the window's sums and its count of step() calls stay) and
+        drops the tensor, as torch's clear would, keeping only that the param
+        had a gradient. (Joined first, it made the clear one after a gradient,
+        which discarded the window and started its count over: the next N
+        step() calls stepped nothing, silently.)"""
+        if self.accum_steps is not None and not self.window.grads_since_step:
+            if self._taken_in():
+                self._refuse_clearing_taken_in("zero_grad()", self._taken_in()[0])
+            for r in self.layout:
+                if r.param.grad is not None and r.param.grad is not r.buffer:
+                    self.window.had_grad.add(r.index)
+                    self.set_grad(r, r.buffer)
         self.flush()
+
+    def _taken_in(self) -> list[int]:
+        """The params whose tensor assigned to ``.grad`` in a counted window's
+        micro-step without a gradient yet was taken into the window since its
+        step() by something other than step() or a backward (a state_dict():
+        the checkpoint holds it): arrivals 0, no gradient counted. As with
+        intake "hooks", it is the micro-step's gradient now: a clear of it
+        before step() is refused (_refuse_clearing_taken_in), where torch's
+        would drop it; (before, zero_grad() there discarded the window and
+        started its count over, and .grad = None dropped every sum at step(),
+        silently)."""
+        return [i for i, count in self.arrivals.items() if count == 0]
+
+    def _refuse_taken_in_dropped(self) -> None:
+        """Before anything changes (at a flush, at a micro-step's first
+        gradient): a param whose ``.grad`` was taken in (_taken_in) and is None since."""
+        if self.accum_steps is None or self.window.grads_since_step:
+            return
+        records = self.layout.records
+        dropped = [i for i in self._taken_in() if records[i].param.grad is None]
+        if dropped:
+            self._refuse_clearing_taken_in(f"param {dropped[0]}'s .grad was set to None", dropped[0])
+
+    @staticmethod
+    def _refuse_clearing_taken_in(what: str, index: int) -> None:
+        raise RuntimeError(
+            f"{what} after a state_dict() took in the tensor assigned to param {index}'s .grad, before step(): "
+            "with accum_steps=N that tensor is a gradient of this micro-step now, in the window's sums (and in "
+            "the checkpoint), where plain PyTorch would discard it. Clear .grad before assigning to it, or after "
+            "step()"
+        )
 
     def zero_grad(self, set_to_none: bool) -> None:
         """As ``optimizer.zero_grad()`` in plain PyTorch: the gradients the last
