@@ -69,8 +69,9 @@ def refuse_several_backwards(accum_steps: int, count: int, index: int) -> None:
     """accum_steps=N and a param got ``count`` > 1 gradients since the last step()."""
     raise RuntimeError(
         f"AccumulatingOptimizer(accum_steps={accum_steps}) counts one micro-step per step() call, but param {index} "
-        f"got {count} gradients since the last step() ({count} backward passes). If your loop or framework "
-        "accumulates and calls step() once per window (e.g. the loss divided by N and step() every N-th batch), "
+        f"got {count} gradients since the last step() (backward passes, or tensors added into .grad in place). If "
+        "your loop or framework accumulates and calls step() once per window (e.g. the loss divided by N and step() "
+        "every N-th batch), "
         "build the wrapper with accum_steps=None and keep the loop as it is; if you meant several backward passes "
         "per micro-step, sum their losses and call backward once"
     )
