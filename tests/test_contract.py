@@ -716,15 +716,19 @@ class _CountedTorchLoop:
     window's), added to the window at the micro-step's first backward or
     step(), or once a state_dict() takes it in, unless a clear drops it
     before (ours refuses a clear after the state_dict(): docs/optimizers.md);
-    after a backward it replaces the window's sum, as in torch. "rebuild"
-    is ours only."""
+    after a backward it replaces the window's sum, as in torch, except
+    under intake "hooks" after a backward that did not reach it ("backward
+    p0"), which it takes as one before the backward, and takes the tensor
+    in at p2's own gradient, not at the micro-step's first (docs/optimizers.md).
+    "rebuild" is ours only."""
 
-    def __init__(self, micro: int) -> None:
-        self.model, self.micro = _mlp(), micro
+    def __init__(self, micro: int, intake: str = "grad") -> None:
+        self.model, self.micro, self.intake = _mlp(), micro, intake
         self.opt = torch.optim.AdamW(self.model.parameters(), **FUSED["AdamW"])
         self.gen = torch.Generator().manual_seed(3)
         self.calls, self.since_backward, self.steps = 0, False, 0
         self.assigned = None  # "p2 = 0.5" after a step(), not added yet
+        self.reached = False  # whether a backward of this micro-step reached p2
 
     def _add_assigned(self) -> None:
         p2 = list(self.model.parameters())[2]
@@ -735,20 +739,21 @@ class _CountedTorchLoop:
     def __call__(self, op: str) -> None:
         model, opt = self.model, self.opt
         if op in ("backward", "backward p0"):
-            self._add_assigned()
+            if op == "backward" or self.intake == "grad":  # (intake "hooks" takes it at p2's own gradient)
+                self._add_assigned()
             loss = model(torch.randn(4, 5, generator=self.gen)).pow(2).mean() / self.micro
             loss.backward(inputs=[model[0].weight] if op == "backward p0" else None)
-            self.since_backward = True
+            self.since_backward, self.reached = True, self.reached or op == "backward"
         elif op == "step":
             self._add_assigned()
-            self.calls, self.since_backward = self.calls + 1, False
+            self.calls, self.since_backward, self.reached = self.calls + 1, False, False
             if self.calls % self.micro == 0:
                 opt.step()
                 opt.zero_grad()
                 self.steps += 1
         elif op == "p2 = 0.5":
             grad = torch.full_like(list(model.parameters())[2], 0.5 / self.micro)
-            if self.since_backward:
+            if self.since_backward and (self.reached or self.intake == "grad"):
                 list(model.parameters())[2].grad = grad
             else:
                 self.assigned = grad
@@ -834,7 +839,7 @@ def test_random_counted_window_loops_train_as_torch_or_are_refused(intake):
 
     def one_loop() -> bool:
         ops = [rng.choice(COUNTED_OPS) for _ in range(rng.randint(4, 16))] + ["step"] * micro
-        model, plain = _mlp(), _CountedTorchLoop(micro)
+        model, plain = _mlp(), _CountedTorchLoop(micro, intake)
         opt = ak.AdamW(model.parameters(), **FUSED["AdamW"], accum_steps=micro, intake=intake)
         gen, given = torch.Generator().manual_seed(3), _MicroStepGrads(model, intake)
         for k, op in enumerate(ops):
@@ -1611,7 +1616,7 @@ def test_a_tensor_assigned_to_grad_between_micro_steps_is_a_gradient_of_the_wind
     is added to the window as a micro-batch's gradient, with either intake,
     whether a backward follows in its micro-step or not; a harmless clear
     before its micro-step's gradient drops it, and only it."""
-    model, plain = _mlp(), _CountedTorchLoop(3)
+    model, plain = _mlp(), _CountedTorchLoop(3, intake)
     opt, gen = (
         ak.AdamW(model.parameters(), **FUSED["AdamW"], accum_steps=3, intake=intake),
         torch.Generator().manual_seed(3),
