@@ -216,7 +216,8 @@ def stale_meshes(cfg, rank, world):
     three meshes live ("ambiguous"), found once the other two are dropped
     ("by_ranks"; the first case of its ranks' run: a mesh of an FSDP2 case
     before it lives on in torch's DTensor caches, and would make it
-    ambiguous too)."""
+    ambiguous too). A stage built again over the same module on another
+    mesh, while the first is still referenced: refused ("two_stages")."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage
 
@@ -238,6 +239,11 @@ def stale_meshes(cfg, rank, world):
     out["ambiguous"] = _error(lambda: dp_group(own))
     del others
     out["by_ranks"] = dp_group(own) is mesh["dp"].get_group()
+    # A stage built again over the same module, on another mesh, the first still referenced: refused.
+    other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    first = PipelineStage(sub, pp_rank, 2, torch.device("cpu"), group=other["pp"].get_group())
+    out["two_stages"] = _error(lambda: dp_group(mesh["pp"].get_group()))
+    del first
     return out
 
 

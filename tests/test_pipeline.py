@@ -155,10 +155,12 @@ def test_a_stage_reduces_over_the_mesh_it_was_built_on(runs):
     of the same ranks, and 4-rank runs of this module hung beside other
     tests); a stage over a pipeline group of the user's own is found by its
     ranks where one mesh has them, and refused, naming process_group=,
-    where several do."""
+    where several do; so are two live stages over the same module on
+    different pipeline groups."""
     for result in (r["stale-meshes"] for r in runs[4]):
         assert result["meant"] and result["by_ranks"]
         assert "3 live 2-D device meshes" in result["ambiguous"] and "process_group=" in result["ambiguous"]
+        assert "2 live PipelineStage objects over different pipeline groups" in result["two_stages"]
 
 
 def test_what_a_pipeline_must_not_train_silently(runs):

@@ -41,13 +41,33 @@ from ._discovery import live_instances
 
 
 def stages_holding(params) -> list:
-    """The pipeline stages (``_PipelineStageBase``) in this process whose submodule holds any of ``params``."""
+    """The pipeline stages (``_PipelineStageBase``) in this process whose
+    submodule holds any of ``params``. A stage an earlier run built over the
+    same module, dropped but not yet collected, is found too: where the
+    stages found run over different pipeline groups, gc runs first, and
+    stages over several groups left are refused (which one's group the
+    wrapper would reduce and clip over is not known: data_parallel_group)."""
     try:
         from torch.distributed.pipelining.stage import _PipelineStageBase
     except ImportError:  # torch without pipelining
         return []
     ids = {id(p) for p in params}
-    return live_instances(_PipelineStageBase, lambda stage: any(id(p) in ids for p in stage.submod.parameters()))
+
+    def holding():
+        return live_instances(_PipelineStageBase, lambda stage: any(id(p) in ids for p in stage.submod.parameters()))
+
+    stages = holding()
+    if len({id(stage.group) for stage in stages}) > 1:
+        gc.collect()
+        stages = holding()
+    if len({id(stage.group) for stage in stages}) > 1:
+        raise ValueError(
+            f"these params belong to {len(stages)} live PipelineStage objects over different pipeline groups (a "
+            "stage built again over the same module, the earlier one still referenced): the optimizer would not "
+            "know which pipeline it is a stage of. Drop the earlier stage (and its schedule) before building this "
+            "optimizer"
+        )
+    return stages
 
 
 def refuse_ddp_stages(stages) -> None:
