@@ -1615,9 +1615,11 @@ class GradIntake(Intake):
     def check_grads(self) -> None:
         """At step(): ``.grad`` dropped or replaced since backward is handled by flush()."""
 
-    def flush(self) -> None:
+    def flush(self, drop_assigned: bool = False) -> None:
         """Take what was written into the buffers in place (_take_written), then
-        re-attach every view whose ``.grad`` was dropped or replaced since."""
+        re-attach every view whose ``.grad`` was dropped or replaced since
+        (``drop_assigned``: a tensor assigned there is dropped, only its having
+        been a gradient kept: before_zero_grad)."""
         self._refuse_taken_in_dropped()
         self._take_written()
         # A counted window's micro-step with no gradient yet: a clear since its
@@ -1631,6 +1633,9 @@ class GradIntake(Intake):
         assigned_is_taken_in = self.accum_steps is not None and not self.window.grads_since_step
         for r in self.layout:
             grad = r.param.grad
+            if drop_assigned and grad is not None and grad is not r.buffer:
+                self.window.had_grad.add(r.index)
+                r.param.grad = grad = r.buffer
             if grad is r.buffer and not self.layout.aliased(r):
                 self._reattach(r)
                 continue
@@ -1851,14 +1856,10 @@ class GradIntake(Intake):
         had a gradient. (Joined first, it made the clear one after a gradient,
         which discarded the window and started its count over: the next N
         step() calls stepped nothing, silently.)"""
-        if self.accum_steps is not None and not self.window.grads_since_step:
-            if self._taken_in():
-                self._refuse_clearing_taken_in("zero_grad()", self._taken_in()[0])
-            for r in self.layout:
-                if r.param.grad is not None and r.param.grad is not r.buffer:
-                    self.window.had_grad.add(r.index)
-                    self.set_grad(r, r.buffer)
-        self.flush()
+        drop_assigned = self.accum_steps is not None and not self.window.grads_since_step
+        if drop_assigned and self._taken_in():
+            self._refuse_clearing_taken_in("zero_grad()", self._taken_in()[0])
+        self.flush(drop_assigned)
 
     def _taken_in(self) -> list[int]:
         """The params whose tensor assigned to ``.grad`` in a counted window's
