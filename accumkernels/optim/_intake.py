@@ -1544,7 +1544,7 @@ class GradIntake(Intake):
         in the micro-step was cleared after a gradient of it (between a
         backward and its step(), or between two backwards), which in torch
         dropped the sum too: its sum starts over (_take), or is dropped (flush()).
-        A tensor taken in and dropped since (_taken_in) is refused first."""
+        A tensor taken in and dropped or replaced since (_taken_in) is refused first."""
         self._refuse_taken_in_dropped()
         if not self._between_micro_steps():
             return False
@@ -1868,20 +1868,22 @@ class GradIntake(Intake):
         the checkpoint holds it): arrivals 0, no gradient counted. As with
         intake "hooks", it is the micro-step's gradient now: a clear of it
         before step() is refused (_refuse_clearing_taken_in), where torch's
-        would drop it; (before, zero_grad() there discarded the window and
-        started its count over, and .grad = None dropped every sum at step(),
-        silently)."""
+        would drop it, and so is a tensor assigned over it; (before, zero_grad()
+        there discarded the window and started its count over, .grad = None
+        dropped every sum at step(), and in the window's first micro-step a
+        tensor assigned over it replaced it, silently)."""
         return [i for i, count in self.arrivals.items() if count == 0]
 
     def _refuse_taken_in_dropped(self) -> None:
         """Before anything changes (at a flush, at a micro-step's first
-        gradient): a param whose ``.grad`` was taken in (_taken_in) and is None since."""
+        gradient): a param whose ``.grad`` was taken in (_taken_in) and is no
+        longer its buffer (set to None, or another tensor assigned over it)."""
         if self.accum_steps is None or self.window.grads_since_step:
             return
         records = self.layout.records
-        dropped = [i for i in self._taken_in() if records[i].param.grad is None]
-        if dropped:
-            self._refuse_clearing_taken_in(f"param {dropped[0]}'s .grad was set to None", dropped[0])
+        for i in self._taken_in():
+            if records[i].param.grad is not records[i].buffer:
+                self._refuse_clearing_taken_in(f"param {i}'s .grad was {_how_cleared(records[i].param.grad)}", i)
 
     @staticmethod
     def _refuse_clearing_taken_in(what: str, index: int) -> None:
