@@ -825,7 +825,7 @@ class _MicroStepGrads:
 
 @pytest.mark.parametrize("intake", ["grad", "hooks"])
 def test_random_counted_window_loops_train_as_torch_or_are_refused(intake):
-    """accum_steps=N (3), random loops of COUNTED_OPS (_random_loops: 30, at
+    """accum_steps=N (2, 3 or 4), random loops of COUNTED_OPS (_random_loops: 30, at
     least 10 compared) then N step() calls, AdamW or SGD with momentum:
     ours ends within _assert_fused_close's bound of torch.optim's loop that
     divides each loss by N, steps at every N-th step() call and clears after
@@ -835,9 +835,10 @@ def test_random_counted_window_loops_train_as_torch_or_are_refused(intake):
     so torch's loop skips it; one between a backward and its step() is
     torch's (intake "grad": zero_grad() discards the window, whose count
     starts over; "hooks" refuses it)."""
-    micro, rng = 3, random.Random(torch.initial_seed())
+    rng = random.Random(torch.initial_seed())
 
     def one_loop() -> bool:
+        micro = rng.choice([2, 3, 4])
         ops = [rng.choice(COUNTED_OPS) for _ in range(rng.randint(4, 16))] + ["step"] * micro
         name = rng.choice(list(FUSED))  # (SGD's step is linear in the gradient: AdamW's first hides its size)
         model, plain = _mlp(), _CountedTorchLoop(micro, intake, name)
