@@ -223,6 +223,10 @@ def _take_and_drop(ref, index, grads):
     return (None,)
 
 
+# The calls that take a tensor assigned to .grad into the window before step() does.
+_READS_WINDOW = "state_dict(), accumulated_grad(), clip_grad_norm_(), a copy"
+
+
 def _how_cleared(grad: torch.Tensor | None) -> str:
     return "set to None" if grad is None else "replaced"
 
@@ -352,6 +356,11 @@ class Intake:
         """(the most gradients any param got since the last step(), that param's
         index): (0, -1) when none got more than one."""
         return self.repeated
+
+    def micro_step_has_gradients(self) -> bool:
+        """Whether a gradient arrived since the last step() call (the micro-step
+        in progress counts in a mid-window normalization)."""
+        return self.window.grads_since_step
 
     def close(self, keep_grads: bool = False) -> None:
         """Hooks, markers and claims given back (``keep_grads``: GradIntake's)."""
@@ -903,19 +912,20 @@ class HookIntake(Intake):
         micro-step arrived, found at step() or at the param's next gradient
         (``model.zero_grad()`` between a backward and step(), or between two
         backwards; ``assigned``: the gradient was a tensor assigned to
-        ``.grad`` that state_dict() took in): plain PyTorch would have
-        discarded that gradient, which is folded."""
-        raise RuntimeError(
-            f"param {index}'s .grad was {how} after "
-            + ("a state_dict() took in the tensor assigned to it" if assigned else "its backward")
-            + ", before step()"
-            + (
-                ""
-                if assigned
-                else " (e.g. model.zero_grad() between a backward and opt.step(), or between two backwards)"
+        ``.grad`` that a call reading the window took in): plain PyTorch would
+        have discarded that gradient, which is folded."""
+        if assigned:
+            raise RuntimeError(
+                f"param {index}'s .grad was {how} after a call that reads the window ({_READS_WINDOW}) took in "
+                "the tensor assigned to it, before step(): in plain PyTorch that discards the gradient, but "
+                "intake='hooks' has folded it into the window already. Clear .grad before assigning to it, or "
+                "after step()"
             )
-            + ": in plain PyTorch that discards the gradient, but intake='hooks' has folded it into the window "
-            "already. Call zero_grad() after step() (or before the backward), or use intake='grad'"
+        raise RuntimeError(
+            f"param {index}'s .grad was {how} after its backward, before step() (e.g. model.zero_grad() between a "
+            "backward and opt.step(), or between two backwards): in plain PyTorch that discards the gradient, but "
+            "intake='hooks' has folded it into the window already. Call zero_grad() after step() (or before the "
+            "backward), or use intake='grad'"
         )
 
     def _install_marker(self, r: ParamRecord) -> None:
@@ -1237,11 +1247,16 @@ class HookIntake(Intake):
         self._drain()
         if self.window.grads_since_step:
             assigned = bool(self.arrivals) and not any(self.arrivals.values())
-            given = "a state_dict() that took in a tensor assigned to .grad" if assigned else "a backward"
+            if assigned:
+                raise RuntimeError(
+                    f"zero_grad() between a call that took in a tensor assigned to .grad ({_READS_WINDOW}) and "
+                    "step(): in plain PyTorch that discards the gradient, but intake='hooks' has folded it into the "
+                    "window already. Call zero_grad() after step() (or before assigning to .grad)"
+                )
             raise RuntimeError(
-                f"zero_grad() between {given} and step(): in "
-                "plain PyTorch that discards the gradient, but intake='hooks' has folded it into the window already. "
-                "Call zero_grad() after step() (or before the backward), or use intake='grad'"
+                "zero_grad() between a backward and step(): in plain PyTorch that discards the gradient, but "
+                "intake='hooks' has folded it into the window already. Call zero_grad() after step() (or before the "
+                "backward), or use intake='grad'"
             )
 
     def zero_grad(self, set_to_none: bool) -> None:
@@ -1874,6 +1889,9 @@ class GradIntake(Intake):
         tensor assigned over it replaced it, silently)."""
         return [i for i, count in self.arrivals.items() if count == 0]
 
+    def micro_step_has_gradients(self) -> bool:
+        return self.window.grads_since_step or bool(self._taken_in())
+
     def _refuse_taken_in_dropped(self) -> None:
         """Before anything changes (at a flush, at a micro-step's first
         gradient): a param whose ``.grad`` was taken in (_taken_in) and is no
@@ -1888,7 +1906,8 @@ class GradIntake(Intake):
     @staticmethod
     def _refuse_clearing_taken_in(what: str, index: int) -> None:
         raise RuntimeError(
-            f"{what} after a state_dict() took in the tensor assigned to param {index}'s .grad, before step(): "
+            f"{what} after a call that reads the window ({_READS_WINDOW}) took in the tensor assigned to param "
+            f"{index}'s .grad, before step(): "
             "with accum_steps=N that tensor is a gradient of this micro-step now, in the window's sums (and in "
             "the checkpoint), where plain PyTorch would discard it. Clear .grad before assigning to it, or after "
             "step()"

@@ -149,11 +149,12 @@ class Window:
 
     def normalization(self, pending: bool = False):
         """A / D of the module docstring for this rank's window so far (``pending``:
-        count a micro-step whose gradients arrived but whose step() has not)."""
+        count the micro-step in progress, whose gradients arrived but whose
+        step() has not: the intake's micro_step_has_gradients())."""
         if self.normalize == "sum":
             return self.divisor
         if self.normalize == "mean":
-            return self.divisor / max(1, self.micro_steps + (1 if pending and self.grads_since_step else 0))
+            return self.divisor / max(1, self.micro_steps + (1 if pending else 0))
         if isinstance(self.items, torch.Tensor):
             return self.divisor / self.items
         if self.items <= 0:

@@ -486,10 +486,15 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             raise ValueError("param is not one of the wrapped optimizer's params")
         self._refuse_closed("accumulated_grad()")
         self._refuse_during_reduction("accumulated_grad()")
+        self._intake.check_grads()  # (a tensor assigned to .grad is taken in, as step() would take it)
         self._intake.flush()
         if r.index not in self._window.touched:
             return torch.zeros_like(r.buffer_like(), dtype=torch.float32)
-        return self._intake.window_sum(r) * self._window.normalization(pending=True)
+        return self._intake.window_sum(r) * self._normalization_so_far()
+
+    def _normalization_so_far(self):
+        """A / D if the window ended now: the micro-step in progress counts where it has gradients."""
+        return self._window.normalization(pending=self._intake.micro_step_has_gradients())
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -507,9 +512,10 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 "clip_grad_norm_() needs the window's global gradient, which exists only after its "
                 "cross-rank reduction: pass max_grad_norm= to the wrapper instead"
             )
+        self._intake.check_grads()  # (a tensor assigned to .grad is taken in, as step() would take it)
         self._intake.flush()
         records = self._sync.norm_records()
-        norm = self._updater.norm(records, self._intake.held_scale(self._window.normalization(pending=True)))
+        norm = self._updater.norm(records, self._intake.held_scale(self._normalization_so_far()))
         self._intake.clip(records, clip_coefficient(max_norm, norm))
         return norm
 
@@ -623,7 +629,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         # The window's entry without the state-dict hooks registered on this
         # wrapper: a copy runs none and keeps none, as torch.optim's.
         self._refuse_saving("copying", _checkpoint.dcp_saving())
-        if not self._closed:
+        if not self._closed:  # (as state_dict(): a tensor assigned to .grad is taken in)
+            self._intake.check_grads()
             self._intake.flush()
         return {"optimizer": self.optimizer, "arguments": self._arguments, "window": self._window_entry()}
 
