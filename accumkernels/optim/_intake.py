@@ -227,6 +227,24 @@ def _take_and_drop(ref, index, grads):
 _READS_WINDOW = "state_dict(), accumulated_grad(), clip_grad_norm_(), a copy"
 
 
+def _refuse_clearing_taken_in(index: int | None, how: str = "") -> None:
+    """A tensor assigned to ``.grad`` that a call reading the window took in
+    (_READS_WINDOW) is a gradient of the window's micro-step now, in its sums
+    (and in a checkpoint saved since): cleared by ``zero_grad()`` (``index``
+    None) or ``how`` param ``index``'s ``.grad`` was cleared or replaced
+    before step(), where plain PyTorch would discard it. Both intakes refuse it."""
+    what = (
+        f"zero_grad() between a call that took in a tensor assigned to .grad ({_READS_WINDOW}) and step()"
+        if index is None
+        else f"param {index}'s .grad was {how} after a call that reads the window ({_READS_WINDOW}) took in the "
+        "tensor assigned to it, before step()"
+    )
+    raise RuntimeError(
+        f"{what}: that tensor is a gradient of the window now (in its sums, and in a checkpoint saved since), where "
+        "plain PyTorch would discard it. Clear .grad before assigning to it, or after step()"
+    )
+
+
 def _how_cleared(grad: torch.Tensor | None) -> str:
     return "set to None" if grad is None else "replaced"
 
@@ -915,12 +933,7 @@ class HookIntake(Intake):
         ``.grad`` that a call reading the window took in): plain PyTorch would
         have discarded that gradient, which is folded."""
         if assigned:
-            raise RuntimeError(
-                f"param {index}'s .grad was {how} after a call that reads the window ({_READS_WINDOW}) took in "
-                "the tensor assigned to it, before step(): in plain PyTorch that discards the gradient, but "
-                "intake='hooks' has folded it into the window already. Clear .grad before assigning to it, or "
-                "after step()"
-            )
+            _refuse_clearing_taken_in(index, how)
         raise RuntimeError(
             f"param {index}'s .grad was {how} after its backward, before step() (e.g. model.zero_grad() between a "
             "backward and opt.step(), or between two backwards): in plain PyTorch that discards the gradient, but "
@@ -1248,11 +1261,7 @@ class HookIntake(Intake):
         if self.window.grads_since_step:
             assigned = bool(self.arrivals) and not any(self.arrivals.values())
             if assigned:
-                raise RuntimeError(
-                    f"zero_grad() between a call that took in a tensor assigned to .grad ({_READS_WINDOW}) and "
-                    "step(): in plain PyTorch that discards the gradient, but intake='hooks' has folded it into the "
-                    "window already. Call zero_grad() after step() (or before assigning to .grad)"
-                )
+                _refuse_clearing_taken_in(None)
             raise RuntimeError(
                 "zero_grad() between a backward and step(): in plain PyTorch that discards the gradient, but "
                 "intake='hooks' has folded it into the window already. Call zero_grad() after step() (or before the "
@@ -1645,7 +1654,7 @@ class GradIntake(Intake):
         harmless = self._between_micro_steps()
         # A tensor assigned to .grad there is a gradient of the micro-step, taken
         # in (arrivals 0) but no backward (grads_since_step): see _taken_in.
-        assigned_is_taken_in = self.accum_steps is not None and not self.window.grads_since_step
+        assigned_is_taken_in = self._no_gradient_yet()
         for r in self.layout:
             grad = r.param.grad
             if drop_assigned and grad is not None and grad is not r.buffer:
@@ -1871,10 +1880,16 @@ class GradIntake(Intake):
         had a gradient. (Joined first, it made the clear one after a gradient,
         which discarded the window and started its count over: the next N
         step() calls stepped nothing, silently.)"""
-        drop_assigned = self.accum_steps is not None and not self.window.grads_since_step
+        drop_assigned = self._no_gradient_yet()
         if drop_assigned and self._taken_in():
-            self._refuse_clearing_taken_in("zero_grad()", self._taken_in()[0])
+            _refuse_clearing_taken_in(None)
         self.flush(drop_assigned)
+
+    def _no_gradient_yet(self) -> bool:
+        """A counted window's micro-step without a gradient since its step()
+        (a tensor taken in counts as none: _taken_in): a clear here is
+        harmless, and a tensor assigned to ``.grad`` here is one to take in."""
+        return self.accum_steps is not None and not self.window.grads_since_step
 
     def _taken_in(self) -> list[int]:
         """The params whose tensor assigned to ``.grad`` in a counted window's
@@ -1896,22 +1911,12 @@ class GradIntake(Intake):
         """Before anything changes (at a flush, at a micro-step's first
         gradient): a param whose ``.grad`` was taken in (_taken_in) and is no
         longer its buffer (set to None, or another tensor assigned over it)."""
-        if self.accum_steps is None or self.window.grads_since_step:
+        if not self._no_gradient_yet():
             return
         records = self.layout.records
         for i in self._taken_in():
             if records[i].param.grad is not records[i].buffer:
-                self._refuse_clearing_taken_in(f"param {i}'s .grad was {_how_cleared(records[i].param.grad)}", i)
-
-    @staticmethod
-    def _refuse_clearing_taken_in(what: str, index: int) -> None:
-        raise RuntimeError(
-            f"{what} after a call that reads the window ({_READS_WINDOW}) took in the tensor assigned to param "
-            f"{index}'s .grad, before step(): "
-            "with accum_steps=N that tensor is a gradient of this micro-step now, in the window's sums (and in "
-            "the checkpoint), where plain PyTorch would discard it. Clear .grad before assigning to it, or after "
-            "step()"
-        )
+                _refuse_clearing_taken_in(i, _how_cleared(records[i].param.grad))
 
     def zero_grad(self, set_to_none: bool) -> None:
         """As ``optimizer.zero_grad()`` in plain PyTorch: the gradients the last
