@@ -380,6 +380,13 @@ class Intake:
         in progress counts in a mid-window normalization)."""
         return self.window.grads_since_step
 
+    def take_in(self) -> None:
+        """What ``.grad`` holds joins the window, a tensor assigned there
+        included (check_grads, then flush): at step(), and before a call that
+        reads the window (_READS_WINDOW), as step() would take it."""
+        self.check_grads()
+        self.flush()
+
     def close(self, keep_grads: bool = False) -> None:
         """Hooks, markers and claims given back (``keep_grads``: GradIntake's)."""
         _remove(self._handles, self._markers)

@@ -442,8 +442,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         intake.meet_scaler(self, ends_window)  # (may refuse: before the items are counted)
         window.count_items(num_items, ends_window)
         intake.refresh()
-        intake.check_grads()
-        intake.flush()
+        intake.take_in()
         intake.start_micro_step()
         step_found_inf = window.end_micro_step(self._check_inf)
         self._loss_scale.next_micro_step()
@@ -486,8 +485,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             raise ValueError("param is not one of the wrapped optimizer's params")
         self._refuse_closed("accumulated_grad()")
         self._refuse_during_reduction("accumulated_grad()")
-        self._intake.check_grads()  # (a tensor assigned to .grad is taken in, as step() would take it)
-        self._intake.flush()
+        self._intake.take_in()
         if r.index not in self._window.touched:
             return torch.zeros_like(r.buffer_like(), dtype=torch.float32)
         return self._intake.window_sum(r) * self._normalization_so_far()
@@ -512,8 +510,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 "clip_grad_norm_() needs the window's global gradient, which exists only after its "
                 "cross-rank reduction: pass max_grad_norm= to the wrapper instead"
             )
-        self._intake.check_grads()  # (a tensor assigned to .grad is taken in, as step() would take it)
-        self._intake.flush()
+        self._intake.take_in()
         records = self._sync.norm_records()
         norm = self._updater.norm(records, self._intake.held_scale(self._normalization_so_far()))
         self._intake.clip(records, clip_coefficient(max_norm, norm))
@@ -555,8 +552,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         # here as at step() (intake "hooks"), not saved with the sums torch dropped.
         # (Closed: the window as close() left it; the params are no longer looked at.)
         if not self._closed:
-            self._intake.check_grads()
-            self._intake.flush()
+            self._intake.take_in()
             self._intake.refuse_lost_used("state_dict()")
         if dcp and not self.optimizer.state:
             # DCP creates a plain optimizer's state before it saves or loads
@@ -630,8 +626,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         # wrapper: a copy runs none and keeps none, as torch.optim's.
         self._refuse_saving("copying", _checkpoint.dcp_saving())
         if not self._closed:  # (as state_dict(): a tensor assigned to .grad is taken in)
-            self._intake.check_grads()
-            self._intake.flush()
+            self._intake.take_in()
         return {"optimizer": self.optimizer, "arguments": self._arguments, "window": self._window_entry()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
