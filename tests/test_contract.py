@@ -1578,16 +1578,22 @@ def test_a_counted_windows_clear_after_a_backward_is_torchs(case):
     params no backward reaches after it (frozen, unused); a micro-step whose
     gradients a clear dropped counts only those given since (one backward
     per step() call)."""
-    model, plain = _mlp(), _CountedTorchLoop(3)
-    opt, gen = (
-        ak.AdamW(model.parameters(), **FUSED["AdamW"], accum_steps=3, intake="grad"),
-        torch.Generator().manual_seed(3),
-    )
-    for op in CLEARS_AFTER_A_BACKWARD[case]:
-        opt = _apply(op, model, opt, gen, []) or opt
-        plain(op)
+    model, _, plain = _counted_pair(CLEARS_AFTER_A_BACKWARD[case], "grad")
     assert plain.steps == 1
     _assert_fused_close(list(model.parameters()), list(plain.model.parameters()), steps=1)
+
+
+def _counted_pair(ops, intake, name="AdamW", micro=3):
+    """``ops`` (_apply's calls) on _mlp() under ours (accum_steps=``micro``)
+    and under torch's loop that window stands for (_CountedTorchLoop):
+    (our model, our optimizer, torch's loop)."""
+    model, plain = _mlp(), _CountedTorchLoop(micro, intake, name)
+    opt = getattr(ak, name)(model.parameters(), **FUSED[name], accum_steps=micro, intake=intake)
+    gen = torch.Generator().manual_seed(3)
+    for op in ops:
+        opt = _apply(op, model, opt, gen, []) or opt
+        plain(op)
+    return model, opt, plain
 
 
 _WINDOW = ["backward", "step"] * 3  # (two windows first: AdamW's first steps hide a gradient's size)
@@ -1619,14 +1625,7 @@ def test_a_tensor_assigned_to_grad_between_micro_steps_is_a_gradient_of_the_wind
     is added to the window as a micro-batch's gradient, with either intake,
     whether a backward follows in its micro-step or not; a harmless clear
     before its micro-step's gradient drops it, and only it."""
-    model, plain = _mlp(), _CountedTorchLoop(3, intake, name)
-    opt, gen = (
-        getattr(ak, name)(model.parameters(), **FUSED[name], accum_steps=3, intake=intake),
-        torch.Generator().manual_seed(3),
-    )
-    for op in ASSIGNED_BETWEEN_MICRO_STEPS[case]:
-        opt = _apply(op, model, opt, gen, []) or opt
-        plain(op)
+    model, opt, plain = _counted_pair(ASSIGNED_BETWEEN_MICRO_STEPS[case], intake, name)
     assert opt.window_stepped
     _assert_fused_close(list(model.parameters()), list(plain.model.parameters()), steps=plain.steps)
 
