@@ -1880,6 +1880,108 @@ def test_a_counted_windows_own_clip_between_step_calls_writes_over_nothing():
     _assert_fused_close(*runs, steps=2)
 
 
+# Writes into .grad after a counted window's backward (intake "grad"); the
+# clips act on any gradient size (thresholds far under these models' norms).
+_SUM_EDITS = {
+    "clip_grad_norm_": lambda model: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3),
+    "clip_grad_value_": lambda model: torch.nn.utils.clip_grad_value_(model.parameters(), 1e-4),
+    "grads.mul_": lambda model: [p.grad.mul_(0.5) for p in model.parameters()],
+    "p0.grad.zero_": lambda model: model[0].weight.grad.zero_(),
+}
+
+
+def _counted_edit_loops(normalize, edit, micro=3, windows=2):
+    """Ours (SGD with momentum, accum_steps=``micro``, intake "grad",
+    ``normalize``) and torch's loop that window stands for, over the same
+    micro-batches, ``edit(model, i)`` after each backward (``i``: the
+    micro-step's index in its window). The loss is divided by ``micro`` in
+    torch's loop, and in ours where the window sums (normalize "sum")."""
+    runs = []
+    for counted in (True, False):
+        model = _mlp()
+        if counted:
+            opt = ak.SGD(model.parameters(), **FUSED["SGD"], accum_steps=micro, intake="grad", normalize=normalize)
+        else:
+            opt = _torch("SGD")(model.parameters())
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(windows):
+            for i in range(micro):
+                loss = model(torch.randn(4, 5, generator=gen)).pow(2).mean()
+                (loss if counted and normalize == "mean" else loss / micro).backward()
+                edit(model, i)
+                if counted or i == micro - 1:
+                    opt.step()
+                    opt.zero_grad()
+        runs.append(list(model.parameters()))
+    return runs
+
+
+@pytest.mark.parametrize("normalize", ["mean", "items"])
+@pytest.mark.parametrize("micro_step", [0, 1], ids=["first-micro-step", "later-micro-step"])
+@pytest.mark.parametrize("edit", list(_SUM_EDITS))
+def test_a_counted_windows_sum_edited_after_a_backward_is_refused(edit, micro_step, normalize):
+    """accum_steps=N, intake "grad": ``.grad`` holds the window's running sum
+    of undivided micro-batch gradients, which the step divides (normalize
+    "mean", "items"), so torch's clip there clipped N times the gradient
+    stepped, silently (the marker of intake "hooks" refuses the clip; its
+    message pointed here). A write into it after a micro-step's backward is
+    refused at step() and state_dict(), before anything is counted or
+    stepped, and at every step() until zero_grad() starts the window over;
+    then the window trains as torch's loop."""
+    model = _mlp()
+    opt = ak.SGD(model.parameters(), **FUSED["SGD"], accum_steps=3, intake="grad", normalize=normalize)
+    before = [p.detach().clone() for p in model.parameters()]
+    items = {"num_items": 4} if normalize == "items" else {}
+    gen = torch.Generator().manual_seed(1)
+    for i in range(micro_step + 1):
+        model(torch.randn(4, 5, generator=gen)).pow(2).mean().backward()
+        if i < micro_step:
+            opt.step(**items)
+    _SUM_EDITS[edit](model)
+    for call in (lambda: opt.step(**items), opt.state_dict, lambda: opt.step(**items)):
+        with pytest.raises(RuntimeError, match=r"max_grad_norm=.*normalize='sum'"):
+            call()
+    assert opt.micro_steps == micro_step
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    opt.zero_grad()
+    plain_model = _mlp()
+    plain = _torch("SGD")(plain_model.parameters())
+    for m, o, counted in ((model, opt, True), (plain_model, plain, False)):
+        gen = torch.Generator().manual_seed(2)
+        for _ in range(3):
+            loss = m(torch.randn(4, 5, generator=gen)).pow(2).mean()
+            (loss if counted else loss / (12 if items else 3)).backward()  # (items: 4 a micro-batch)
+            if counted:
+                o.step(**items)
+        if not counted:
+            o.step()
+    assert opt.window_stepped
+    _assert_fused_close(list(model.parameters()), list(plain_model.parameters()), steps=1)
+
+
+@pytest.mark.parametrize(
+    "normalize, edit",
+    [
+        ("sum", lambda model, i: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)),
+        ("sum", lambda model, i: torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)),
+        ("mean", lambda model, i: model.zero_grad(set_to_none=False) if i == 1 else None),
+    ],
+    ids=["sum-clip_grad_norm_", "sum-clip_grad_value_", "mean-model.zero_grad(False)"],
+)
+def test_a_counted_windows_sum_edited_as_torchs_loop_would_is_torchs(normalize, edit):
+    """accum_steps=N, intake "grad": where ``.grad`` holds what torch's loop's
+    does (normalize "sum", the loss divided by N in the loop), torch's clip
+    before each step() call clips it as there; and with normalize "mean" a
+    clear in place of every sum between a backward and its step() drops the
+    window so far, as torch's loop's zeroed ``.grad`` does (the case
+    must tell: the clips act)."""
+    ours, plain = _counted_edit_loops(normalize, edit)
+    _assert_fused_close(ours, plain, steps=2)
+    unedited, _ = _counted_edit_loops(normalize, lambda model, i: None)
+    with pytest.raises(AssertionError):
+        _assert_fused_close(unedited, plain, steps=2)
+
+
 def test_a_counted_windows_zero_grad_between_backward_and_step_discards_that_backward():
     """accum_steps=N, intake "grad": zero_grad() between a backward and its
     step() discards the window so far, as in plain PyTorch, and the backward

@@ -177,8 +177,10 @@ class FoldedGrad(torch.Tensor):
                 " (an FSDP2 model's gradients are only folded: intake 'grad' is not offered for FSDP2)"
                 if fsdp
                 else "; for code that must read or edit .grad (torch.nn.utils.clip_grad_norm_, a framework's "
-                "clipping or norm logging, GradScaler.unscale_), build the wrapper with intake='grad' (the default "
-                "with accum_steps=None)"
+                "clipping or norm logging, GradScaler.unscale_), count the window in your loop: accum_steps=None, "
+                "whose default intake='grad' holds the window's sum in .grad (with accum_steps=N its .grad holds "
+                "the undivided running sum the step divides, which torch's clip may edit only with normalize='sum' "
+                "and the loss divided by N)"
             )
         )
 

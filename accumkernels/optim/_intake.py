@@ -28,8 +28,9 @@ new gradient into it in place; on one process ``.grad`` is None until the
 param's first gradient, as torch.optim's (a pre-hook makes the zero buffer
 ``.grad`` just before autograd adds into it). Code that reads or edits ``.grad`` after
 backward (framework clipping, ``GradScaler.unscale_``, norm logging) works on
-the window's true sum. A marker hook per param records which params got a
-gradient. With ``accum_steps=N`` the step clears the buffers
+the window's true sum (with ``accum_steps=N`` the undivided running sum, which
+code may edit only where the step does not divide it: normalize="sum"). A
+marker hook per param records which params got a gradient. With ``accum_steps=N`` the step clears the buffers
 (``zero_buffers=True``); with ``accum_steps=None``, where step() is
 torch.optim's, ``.grad`` keeps the gradient the step used until it is
 cleared (``zero_grad()``, ``.grad = None``), as torch.optim's does: code
@@ -225,6 +226,26 @@ def _take_and_drop(ref, index, grads):
 
 # The calls that take a tensor assigned to .grad into the window before step() does.
 _READS_WINDOW = "state_dict(), accumulated_grad(), clip_grad_norm_(), a copy"
+
+
+# Why intake "grad" refuses a counted window's step() (GradIntake.refuse_lost_sums).
+_SUMS_OVERWRITTEN = (
+    "the window's sums were written over between two of its step() calls (e.g. "
+    "model.zero_grad(set_to_none=False) or p.grad.zero_() after a micro-step's step()): with "
+    "accum_steps=N, .grad holds the window's running sum, which the window's last step() clears, so "
+    "no clear is needed there (optimizer.zero_grad() and model.zero_grad() are harmless). Its earlier "
+    "micro-steps are lost: call optimizer.zero_grad() to start the window over"
+)
+_SUMS_EDITED = (
+    ".grad was written in place after this micro-step's backward (torch.nn.utils.clip_grad_norm_ or "
+    "clip_grad_value_, p.grad.mul_() or add_()): with accum_steps={n} and intake='grad', .grad holds the "
+    "window's running sum of the undivided micro-batch gradients, which its last step() divides by {by} "
+    "(normalize='{normalize}'): a clip there clips that undivided sum, not the gradient the step uses. "
+    "Clip with max_grad_norm= or opt.clip_grad_norm_(max_norm), which clip the gradient the step uses; for "
+    "torch's clip on .grad, pass normalize='sum' and divide the loss by the window's micro-batches, as torch's "
+    "loop does; to drop a param's sum, set p.grad = None. The window was not stepped: call "
+    "optimizer.zero_grad() to start it over"
+)
 
 
 def _refuse_clearing_taken_in(index: int | None, how: str = "") -> None:
@@ -1366,9 +1387,11 @@ class GradIntake(Intake):
         self._accumulators: dict[int, object] = {}
         super().__init__(*args, **kwargs)
         self._reduction_queued = False
-        # accum_steps=N: other code wrote into the buffers between two step()
-        # calls of the window, after its first gradients (refuse_lost_sums)
-        self._sums_overwritten = False
+        # accum_steps=N: why the window's sums are refused (refuse_lost_sums),
+        # None where they are not: other code wrote into the buffers between
+        # two step() calls after the window's first gradients, or edited the
+        # undivided running sum after a micro-step's backward (_note_edited_sums)
+        self._lost_sums: str | None = None
         # accum_steps=None: the buffers keep the gradients a step used (the
         # params in _used), as torch.optim's .grad does, until a clear.
         self.zero_buffers_at_step = self.accum_steps is not None
@@ -1520,7 +1543,7 @@ class GradIntake(Intake):
         # at the window's start, .grad may have been cleared in place.
         if self.layout.flat._version > self._seen_version + (grad is r.buffer):
             if self._between_micro_steps():
-                self._sums_overwritten = True
+                self._lost_sums = _SUMS_OVERWRITTEN
             elif self._at_window_start():
                 self._take_cleared(r)
         starts = not self.window.grads_since_step and self._micro_step_starts()  # (once a micro-step: no calls after)
@@ -1726,17 +1749,50 @@ class GradIntake(Intake):
         (``model.zero_grad(set_to_none=False)``, ``p.grad.zero_()``): ``.grad``
         holds the window's running sum, so its earlier micro-steps are lost,
         where optimizer.zero_grad() and ``model.zero_grad()`` are harmless (and
-        intake "hooks" refuses the write). Refused at every step() of the
-        window, before anything is counted, until zero_grad() starts it over."""
+        intake "hooks" refuses the write); or whose undivided running sum
+        other code edited after a micro-step's backward (_note_edited_sums).
+        Refused at every step() of the window, before anything is counted,
+        until zero_grad() starts it over."""
         if self._between_micro_steps() and self.layout.flat._version != self._seen_version:
-            self._sums_overwritten = True
-        if self._sums_overwritten:
-            raise RuntimeError(
-                "the window's sums were written over between two of its step() calls (e.g. "
-                "model.zero_grad(set_to_none=False) or p.grad.zero_() after a micro-step's step()): with "
-                "accum_steps=N, .grad holds the window's running sum, which the window's last step() clears, so "
-                "no clear is needed there (optimizer.zero_grad() and model.zero_grad() are harmless). Its earlier "
-                "micro-steps are lost: call optimizer.zero_grad() to start the window over"
+            self._lost_sums = _SUMS_OVERWRITTEN
+        self._note_edited_sums()
+        if self._lost_sums is not None:
+            raise RuntimeError(self._lost_sums)
+
+    def refuse_lost_used(self, what: str) -> None:
+        """At state_dict(): a window that step() refuses (refuse_lost_sums) is
+        not saved either, where a resumed run would step on its sums."""
+        self._note_edited_sums()
+        if self._lost_sums is not None:
+            raise RuntimeError(f"{what}: {self._lost_sums}")
+
+    def _note_edited_sums(self) -> None:
+        """A counted window that divides its sum at its step (accum_steps=N >
+        1, normalize "mean" or "items"): other code wrote into the buffers
+        after this micro-step's gradients (torch's ``clip_grad_norm_`` or
+        ``clip_grad_value_``, ``p.grad.mul_(c)``). ``.grad`` holds the running
+        sum of the undivided micro-batch gradients, N times what torch's loop
+        holds with its loss divided by N: a clip there acts on N times the
+        gradient the step uses (a threshold N times too low), so the window is
+        refused (refuse_lost_sums) until zero_grad() starts it over. A clear
+        in place of every sum (``model.zero_grad(set_to_none=False)``) is
+        torch's loop's clear, and stays harmless. Only after such a write:
+        one host sync (are the sums all zero?)."""
+        flat, window = self.layout.flat, self.window
+        if (
+            self._lost_sums is not None
+            or (self.accum_steps or 1) == 1
+            or window.normalize == "sum"
+            or not window.grads_since_step
+            or flat._version == self._seen_version
+        ):
+            return
+        held = [r.buffer for r in self.layout if r.index in window.touched and r.param.grad is r.buffer]
+        if any(_nonzero(held)):
+            self._lost_sums = _SUMS_EDITED.format(
+                n=self.accum_steps,
+                by={"mean": "its micro-steps", "items": "its items"}[window.normalize],
+                normalize=window.normalize,
             )
 
     def uncleared(self, indices: set[int]) -> set[int]:
@@ -1785,6 +1841,7 @@ class GradIntake(Intake):
             self._take_cleared()
             if flat._version == self._seen_version:  # (accounted for: a clear)
                 return
+        self._note_edited_sums()
         if self.window.unzeroed:  # (a clear of the gradient the last step() used is told by these writes)
             self.window.unzeroed = self.uncleared(self.window.unzeroed)
         waiting = [
@@ -1814,7 +1871,7 @@ class GradIntake(Intake):
         if not self.zero_buffers_at_step:
             self._used |= self.window.touched
             self._unzeroed_unread = self.one_process
-        self._sums_overwritten = False
+        self._lost_sums = None
         self._account_writes()
 
     def shown_grads(self) -> dict[int, torch.Tensor]:
@@ -1838,7 +1895,7 @@ class GradIntake(Intake):
     def restore_sums(self, sums: torch.Tensor, arrivals: list | None) -> None:
         self._used -= self.window.touched  # (their buffers are written, by the intake itself)
         super().restore_sums(sums, arrivals)
-        self._sums_overwritten = False
+        self._lost_sums = None
         self._account_writes()
 
     def before_restore(self) -> None:
@@ -1933,14 +1990,14 @@ class GradIntake(Intake):
         after it (``set_to_none`` is the window's to record)."""
         # The window so far is discarded (and so, after refuse_lost_sums, is
         # the rest of a window whose sums other code wrote over).
-        discard = self.window.grads_since_step or self._sums_overwritten
+        discard = self.window.grads_since_step or self._lost_sums is not None
         if discard or self._used:
             self.layout.zero_all()
             self._used.clear()
             if discard:
                 self.window.clear()
                 self.start_micro_step()  # the discarded gradients count as no backward
-                self._sums_overwritten = False
+                self._lost_sums = None
             self._account_writes()
         if set_to_none:
             # .grad is None, as torch.optim's, not a zero buffer that code

@@ -435,11 +435,11 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         ends_window = self.accum_steps is None or window.micro_steps + 1 >= self.accum_steps
         self._check_param_groups(every_param=ends_window)
         self._refuse_several_backwards()
-        self._intake.refuse_lost_sums()
         if window.unzeroed:
             self._refuse_uncleared_grads()
         intake = self._intake
         intake.meet_scaler(self, ends_window)  # (may refuse: before the items are counted)
+        intake.refuse_lost_sums()  # (after the scaler's refusal: its unscale_ edits the sums too)
         window.count_items(num_items, ends_window)
         intake.refresh()
         intake.take_in()
