@@ -1726,8 +1726,8 @@ def test_a_counted_window_keeps_its_sums_through_clears_after_each_step(clear, i
     clear in place (model.zero_grad(set_to_none=False)) would write over the
     window's running sum (intake "grad": it is .grad; before, it was lost, and
     model.zero_grad() or .grad = None started the param's sum over): refused
-    at the next step(), nothing stepped, until optimizer.zero_grad() starts
-    the window over (intake "hooks": refused at the clear, which cannot take
+    at the next step() and state_dict(), nothing stepped, until
+    optimizer.zero_grad() starts the window over (intake "hooks": refused at the clear, which cannot take
     one param's folded gradient out of the window)."""
     micro = 3
     model, plain_model = _mlp(), _mlp()
@@ -1741,7 +1741,9 @@ def test_a_counted_window_keeps_its_sums_through_clears_after_each_step(clear, i
     with pytest.raises(RuntimeError, match=r"zero_grad\(set_to_none=False\)"):
         _train_clearing(opt, model, CLEARS[clear], steps=2, micro=micro)
     assert all(map(torch.equal, model.parameters(), before)) and opt.micro_steps == 1
-    if intake == "grad":  # the way out it names: zero_grad() starts the window over
+    if intake == "grad":  # not saved for a resume either; the way out it names: zero_grad() starts it over
+        with pytest.raises(RuntimeError, match=r"state_dict\(\): the window's sums were written over"):
+            opt.state_dict()
         opt.zero_grad()
         assert opt.micro_steps == 0
         model(torch.randn(4, 5)).pow(2).mean().backward()

@@ -26,11 +26,12 @@ raises, naming what to use instead, wherever code tries to read it.
 (bf16/fp16 params get ``grad_dtype = None``: any dtype), and autograd adds each
 new gradient into it in place; on one process ``.grad`` is None until the
 param's first gradient, as torch.optim's (a pre-hook makes the zero buffer
-``.grad`` just before autograd adds into it). Code that reads or edits ``.grad`` after
-backward (framework clipping, ``GradScaler.unscale_``, norm logging) works on
-the window's true sum (with ``accum_steps=N`` the undivided running sum, which
-code may edit only where the step does not divide it: normalize="sum"). A
-marker hook per param records which params got a gradient. With ``accum_steps=N`` the step clears the buffers
+``.grad`` just before autograd adds into it). Code that reads or edits
+``.grad`` after backward (framework clipping, ``GradScaler.unscale_``, norm
+logging) works on the window's true sum (with ``accum_steps=N`` the undivided
+running sum, which code may edit only where the step does not divide it:
+normalize="sum"). A marker hook per param records which params got a
+gradient. With ``accum_steps=N`` the step clears the buffers
 (``zero_buffers=True``); with ``accum_steps=None``, where step() is
 torch.optim's, ``.grad`` keeps the gradient the step used until it is
 cleared (``zero_grad()``, ``.grad = None``), as torch.optim's does: code
@@ -1760,9 +1761,9 @@ class GradIntake(Intake):
             raise RuntimeError(self._lost_sums)
 
     def refuse_lost_used(self, what: str) -> None:
-        """At state_dict(): a window that step() refuses (refuse_lost_sums) is
-        not saved either, where a resumed run would step on its sums."""
-        self._note_edited_sums()
+        """At state_dict(), after take_in(): a window that step() refuses
+        (refuse_lost_sums) is not saved either, where a resumed run would step
+        on its sums."""
         if self._lost_sums is not None:
             raise RuntimeError(f"{what}: {self._lost_sums}")
 
@@ -1772,8 +1773,8 @@ class GradIntake(Intake):
         after this micro-step's gradients (torch's ``clip_grad_norm_`` or
         ``clip_grad_value_``, ``p.grad.mul_(c)``). ``.grad`` holds the running
         sum of the undivided micro-batch gradients, N times what torch's loop
-        holds with its loss divided by N: a clip there acts on N times the
-        gradient the step uses (a threshold N times too low), so the window is
+        holds with its loss divided by N ("mean"): a clip there acts on that
+        undivided sum, not on the gradient the step uses, so the window is
         refused (refuse_lost_sums) until zero_grad() starts it over. A clear
         in place of every sum (``model.zero_grad(set_to_none=False)``) is
         torch's loop's clear, and stays harmless. Only after such a write:
