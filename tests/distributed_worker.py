@@ -88,6 +88,7 @@ def wrapped(cfg, model):
     return ak.AccumulatingOptimizer(
         make_optimizer(cfg["optimizer"], model.parameters()),
         accum_steps=N_MICRO,
+        intake=cfg.get("intake"),
         normalize=cfg.get("normalize", "mean"),
         max_grad_norm=cfg.get("clip"),
         master_weights=cfg.get("master_weights", False),

@@ -38,6 +38,8 @@ PARITY = {
 CASES_2 = {
     **PARITY,
     "allreduce-items": dict(scenario="parity", optimizer="adamw", normalize="items"),
+    # a counted window with intake "grad" (its .grad the buffers the reduction writes into)
+    "allreduce-grad-intake": dict(scenario="parity", optimizer="sgd", intake="grad", clip=0.5),
     "sharded-items": dict(scenario="parity", optimizer="sgd", normalize="items", sharded=True, clip=0.5),
     "allreduce-bf16wire": dict(scenario="wire", optimizer="sgd", wire_dtype=torch.bfloat16),
     "sharded-bf16wire": dict(scenario="wire", optimizer="sgd", wire_dtype=torch.bfloat16, sharded=True),
@@ -117,6 +119,17 @@ def test_ranks_equal_single_process_big_batch(runs, world, case):
     for r in results[1:]:
         assert same(r["params"], results[0]["params"])  # every rank holds the same params
     assert_steps_exact_to_fp32(results[0], case, world)
+
+
+def test_a_counted_window_with_intake_grad_equals_the_big_batch(runs):
+    """accum_steps=N, intake "grad", on ranks whose micro-batches reach
+    different params: every window is the exact step on all ranks'
+    micro-batches, clipped by max_grad_norm=; the reduction's and the
+    clip's own writes into .grad are no edit of the window's sum (nothing
+    refused: GradIntake._note_edited_sums)."""
+    results = [r["allreduce-grad-intake"] for r in runs[2]]
+    assert same(results[1]["params"], results[0]["params"])
+    assert_steps_exact_to_fp32(results[0], "allreduce-grad-intake", 2)
 
 
 @pytest.mark.parametrize("case", ["allreduce-items", "sharded-items"])
