@@ -1961,6 +1961,36 @@ def test_a_counted_windows_sum_edited_after_a_backward_is_refused(edit, micro_st
     _assert_fused_close(list(model.parameters()), list(plain_model.parameters()), steps=1)
 
 
+@pytest.mark.parametrize("intake", ["grad", "hooks"])
+def test_a_counted_windows_norm_to_log_is_torchs_loops(intake):
+    """accum_steps=N: what torch's clip_grad_norm_(..., inf) logs in torch's
+    loop at the window's last backward (the norm of the mean gradient) is
+    opt.clip_grad_norm_(float("inf")) at the same point (the refusal's advice
+    for a norm to log), within twice the fp32 summation bound of the n
+    squares (n * eps relative: torch sums them in fp32, ours the gradients
+    of the same micro-batches in another order), and the window trains as
+    without it, bit for bit."""
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randn(4, 5, generator=gen) for _ in range(3)]
+    plain = _mlp()
+    for x in batches:
+        (plain(x).pow(2).mean() / 3).backward()
+    expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), float("inf"))
+    runs = []
+    for log in (True, False):
+        model = _mlp()
+        opt = ak.SGD(model.parameters(), **FUSED["SGD"], accum_steps=3, intake=intake)
+        for i, x in enumerate(batches):
+            model(x).pow(2).mean().backward()
+            if log and i == 2:
+                norm = opt.clip_grad_norm_(float("inf"))
+                n = sum(p.numel() for p in model.parameters())
+                assert abs(norm - expected) <= 2 * n * EPS32 * expected, (norm, expected)
+            opt.step()
+        runs.append(list(model.parameters()))
+    assert all(map(torch.equal, *runs))
+
+
 @pytest.mark.parametrize(
     "normalize, edit",
     [

@@ -501,7 +501,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         ``clip_grad_norm_`` on plain ``.grad``: with intake "grad" ``.grad`` is
         clipped now, with "hooks" by the next window step. Across ranks only
         once the window is reduced (intake "grad", after its last backward);
-        else pass ``max_grad_norm=``."""
+        else pass ``max_grad_norm=``. ``max_norm=float("inf")`` clips nothing:
+        the norm for logging, as torch's."""
         self._refuse_closed("clip_grad_norm_()")
         if not max_norm > 0:
             raise ValueError(f"max_norm must be > 0; got {max_norm!r}")
