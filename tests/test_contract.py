@@ -1961,6 +1961,28 @@ def test_a_counted_windows_sum_edited_after_a_backward_is_refused(edit, micro_st
     _assert_fused_close(list(model.parameters()), list(plain_model.parameters()), steps=1)
 
 
+@pytest.mark.parametrize("unscale", [False, True], ids=["scaler.step", "unscale_-clip-scaler.step"])
+def test_a_grad_scaler_stepping_a_counted_window_of_intake_grad_is_refused_naming_it(unscale):
+    """accum_steps=N, intake "grad": a GradScaler unscales ``.grad``, the
+    window's running sum, and skips step() on inf itself, so it must step
+    once per window: a scaler.step(opt) of a micro-step that does not end
+    the window is refused, naming accum_steps=None and intake "hooks", before
+    anything is counted; also after scaler.unscale_(opt) and torch's clip
+    (whose edit of the sum is refused too, but the scaler's refusal names
+    the cause: it comes first)."""
+    model = _mlp()
+    opt = ak.SGD(model.parameters(), **FUSED["SGD"], accum_steps=3, intake="grad")
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.scale(model(torch.randn(4, 5)).pow(2).mean()).backward()
+    if unscale:
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    with pytest.raises(RuntimeError, match=r"GradScaler unscales \.grad.*accum_steps=None.*intake='hooks'"):
+        scaler.step(opt)
+    assert opt.micro_steps == 0 and all(map(torch.equal, model.parameters(), before))
+
+
 @pytest.mark.parametrize("intake", ["grad", "hooks"])
 def test_a_counted_windows_norm_to_log_is_torchs_loops(intake):
     """accum_steps=N: what torch's clip_grad_norm_(..., inf) logs in torch's
