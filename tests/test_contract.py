@@ -1207,8 +1207,8 @@ def test_hooks_refuses_to_save_a_sum_over_an_uncleared_gradient():
     """Intake "hooks", a backward after a step() with nothing cleared between:
     torch.optim's .grad holds the two gradients added, and step() is refused
     (test_a_step_on_the_last_steps_uncleared_gradients_is_refused); the fold overwrote the old one, so
-    state_dict() is refused too (before, a rebuild saved the new gradient
-    alone and the new optimizer stepped it, 2e-3 off torch's), and close()
+    state_dict() and a copy are refused too (before, a rebuild saved the new
+    gradient alone and the new optimizer stepped it, 2e-3 off torch's), and close()
     leaves the marker, whose use says why."""
     model = _mlp()
     params = list(model.parameters())
@@ -1216,8 +1216,9 @@ def test_hooks_refuses_to_save_a_sum_over_an_uncleared_gradient():
     gen = torch.Generator().manual_seed(3)
     for op in ("backward", "step", "backward"):
         _apply(op, model, opt, gen, [])
-    with pytest.raises(RuntimeError, match="added onto the one the last step\\(\\) used"):
-        opt.state_dict()
+    for save in (opt.state_dict, lambda: copy.deepcopy(opt)):  # (a copy saved it, before 2026-12-07's last read)
+        with pytest.raises(RuntimeError, match="added onto the one the last step\\(\\) used"):
+            save()
     opt.close()
     with pytest.raises(RuntimeError, match="was closed .* the two added|its optimizer was closed"):
         torch.optim.AdamW(params).step()
@@ -1927,7 +1928,8 @@ def test_a_counted_windows_sum_edited_after_a_backward_is_refused(edit, micro_st
     "mean", "items"), so torch's clip there clipped N times the gradient
     stepped, silently (the marker of intake "hooks" refuses the clip; its
     message pointed here). A write into it after a micro-step's backward is
-    refused at step() and state_dict(), before anything is counted or
+    refused at step(), state_dict() and a copy (which stepped on it,
+    silently, before 2026-12-07's last read), before anything is counted or
     stepped, and at every step() until zero_grad() starts the window over;
     then the window trains as torch's loop."""
     model = _mlp()
@@ -1940,7 +1942,7 @@ def test_a_counted_windows_sum_edited_after_a_backward_is_refused(edit, micro_st
         if i < micro_step:
             opt.step(**items)
     _SUM_EDITS[edit](model)
-    for call in (lambda: opt.step(**items), opt.state_dict, lambda: opt.step(**items)):
+    for call in (lambda: opt.step(**items), opt.state_dict, lambda: copy.deepcopy(opt), lambda: opt.step(**items)):
         with pytest.raises(RuntimeError, match=r"max_grad_norm=.*normalize='sum'"):
             call()
     assert opt.micro_steps == micro_step

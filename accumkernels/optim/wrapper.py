@@ -549,12 +549,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._refuse_saving("state_dict()", dcp)
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        # A window whose gradients .grad = None dropped after backward is refused
-        # here as at step() (intake "hooks"), not saved with the sums torch dropped.
-        # (Closed: the window as close() left it; the params are no longer looked at.)
-        if not self._closed:
-            self._intake.take_in()
-            self._intake.refuse_lost_used("state_dict()")
+        self._take_in_to_save("state_dict()")
         if dcp and not self.optimizer.state:
             # DCP creates a plain optimizer's state before it saves or loads
             # (its template must hold the keys it loads), but only where every
@@ -626,9 +621,21 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         # The window's entry without the state-dict hooks registered on this
         # wrapper: a copy runs none and keeps none, as torch.optim's.
         self._refuse_saving("copying", _checkpoint.dcp_saving())
-        if not self._closed:  # (as state_dict(): a tensor assigned to .grad is taken in)
-            self._intake.take_in()
+        self._take_in_to_save("copying")
         return {"optimizer": self.optimizer, "arguments": self._arguments, "window": self._window_entry()}
+
+    def _take_in_to_save(self, what: str) -> None:
+        """Before the window is saved (``what``: state_dict(), a copy): what
+        ``.grad`` holds joins it, a tensor assigned there included, as step()
+        would take it; a window that lost what torch.optim's ``.grad`` holds
+        (intake "hooks": gradients that ``.grad = None`` dropped after backward)
+        or that step() refuses (intake "grad": its sums written over or
+        edited) is refused here too, not saved for a resume or a copy to step
+        on. (Closed: the window as close() left it; the params are no longer
+        looked at.)"""
+        if not self._closed:
+            self._intake.take_in()
+            self._intake.refuse_lost_used(what)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         AccumulatingOptimizer.__init__(self, state["optimizer"], **state["arguments"])
