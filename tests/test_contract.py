@@ -229,6 +229,11 @@ CLEARS = {
     "optimizer.zero_grad(set_to_none=False)": lambda model, opt: opt.zero_grad(set_to_none=False),
     "model.zero_grad()": lambda model, opt: model.zero_grad(),
     "model.zero_grad(set_to_none=False)": lambda model, opt: model.zero_grad(set_to_none=False),
+    # (loops that clear both, the model's first)
+    "model.zero_grad(set_to_none=False); optimizer.zero_grad()": lambda model, opt: (
+        model.zero_grad(set_to_none=False),
+        opt.zero_grad(),
+    ),
     "p.grad = None": lambda model, opt: [setattr(p, "grad", None) for p in model.parameters()],
     "the wrapped optimizer's zero_grad()": lambda model, opt: getattr(opt, "optimizer", opt).zero_grad(),
 }
@@ -685,6 +690,19 @@ ONE_PROCESS_OPS = [
 ]
 
 
+# Writes into .grad in a counted window (a pipeline schedule's scale_grads,
+# torch's clip): torch's loop's own where no window sum is there, refused by
+# intake "grad" over one (its sum is undivided) and by "hooks" for the clip
+# (which reads its marker). Left out at a window's start, before its first
+# gradient: a write that leaves the zero buffers zeros counts as a clear in
+# place there (docs/optimizers.md, _register); and after a harmless clear
+# since a step(), before a gradient: ours holds None where torch's loop,
+# which skips that clear (_CountedTorchLoop), holds the window's sum; and
+# over a tensor assigned to .grad there ("p2 = 0.5"), which ours takes as
+# the micro-step's gradient (the write reaches it, not the sum behind it)
+# where torch's loop's write reaches both.
+_COUNTED_WRITES = ["grads /= 4", "clip 0.05"]
+
 # The calls of the random counted-window loops below (zero_grad(set_to_none=False)
 # left out: which params it keeps stepping spans windows, a contract of its own).
 COUNTED_OPS = [
@@ -701,6 +719,7 @@ COUNTED_OPS = [
     "reload",
     "rebuild",
     "state_dict",
+    *_COUNTED_WRITES,
 ]
 
 
@@ -720,13 +739,15 @@ class _CountedTorchLoop:
     under intake "hooks" after a backward that did not reach it ("backward
     p0"), which it takes as one before the backward, and takes the tensor
     in at p2's own gradient, not at the micro-step's first (docs/optimizers.md).
-    "rebuild" is ours only."""
+    "rebuild" is ours only. _COUNTED_WRITES act on its .grad (and on a "p2 =
+    0.5" not added yet) as a user's write on torch's."""
 
     def __init__(self, micro: int, intake: str = "grad", name: str = "AdamW") -> None:
         self.model, self.micro, self.intake = _mlp(), micro, intake
         self.opt = _torch(name)(self.model.parameters())
         self.gen = torch.Generator().manual_seed(3)
         self.calls, self.since_backward, self.steps = 0, False, 0
+        self.windows = 0  # windows started: at each step() and each zero_grad() that starts the count over
         self.assigned = None  # "p2 = 0.5" after a step(), not added yet
         self.reached = False  # whether a backward of this micro-step reached p2
 
@@ -750,16 +771,18 @@ class _CountedTorchLoop:
             if self.calls % self.micro == 0:
                 opt.step()
                 opt.zero_grad()
-                self.steps += 1
+                self.steps, self.windows = self.steps + 1, self.windows + 1
         elif op == "p2 = 0.5":
             grad = torch.full_like(list(model.parameters())[2], 0.5 / self.micro)
             if self.since_backward and (self.reached or self.intake == "grad"):
                 list(model.parameters())[2].grad = grad
             else:
                 self.assigned = grad
-        elif op in ("lr", "reload", "state_dict", "freeze p1", "unfreeze p1"):
+        elif op in ("lr", "reload", "state_dict", "freeze p1", "unfreeze p1", *_COUNTED_WRITES):
             if op in ("reload", "state_dict"):
                 self._add_assigned()
+            if op == "grads /= 4" and self.assigned is not None:
+                self.assigned = self.assigned / 4
             _apply(op, model, opt, self.gen, [])
         elif op == "rebuild":
             self._add_assigned()
@@ -768,7 +791,7 @@ class _CountedTorchLoop:
         elif self.since_backward:  # a clear between a backward and its step()
             _apply(op, model, opt, self.gen, [])
             if op == "zero_grad":
-                self.calls, self.since_backward = 0, False
+                self.calls, self.since_backward, self.windows = 0, False, self.windows + 1
         elif op in ("zero_grad", "model.zero_grad"):  # (harmless, but it drops what was assigned since)
             self.assigned = None
 
@@ -788,8 +811,28 @@ class _MicroStepGrads:
     def __init__(self, model, intake: str) -> None:
         self.params, self.intake = list(model.parameters()), intake
         self.counts, self.dropped, self.assigned, self.taken = {}, set(), False, False
+        # _COUNTED_WRITES: the one being called (wrote()), and the window of
+        # torch's loop in which one wrote over a sum it holds (None: none did)
+        self.writing, self.wrote_over_sums_in = None, None
+        self.cleared_before_grad = False  # (a harmless clear since a step(), no gradient since)
+
+    def wrote(self, op: str, plain: _CountedTorchLoop) -> None:
+        """Before a write of _COUNTED_WRITES: where torch's loop holds a window
+        sum there, ours refuses it (intake "grad": the sum is undivided) until
+        the window starts over."""
+        self.writing = op
+        if any(q.grad is not None and bool(q.grad.ne(0).any()) for q in plain.model.parameters()):
+            self.wrote_over_sums_in = plain.windows
+
+    def wrote_over_sums(self, plain: _CountedTorchLoop) -> bool:
+        return self.wrote_over_sums_in == plain.windows
 
     def after(self, op: str) -> None:
+        self.writing = None
+        if op in ("zero_grad", "model.zero_grad", "p0 = None") and not self.counts:
+            self.cleared_before_grad = True  # (.grad stays None until the next gradient)
+        elif op in ("backward", "backward p0"):
+            self.cleared_before_grad = False
         if op == "step":
             self.counts, self.dropped, self.assigned, self.taken = {}, set(), False, False
         elif op == "p2 = 0.5" and not self.counts.get(2):
@@ -809,7 +852,7 @@ class _MicroStepGrads:
             else:
                 self.dropped |= cleared & set(self.counts)
 
-    def explains(self, message: str) -> bool:
+    def explains(self, message: str, plain: _CountedTorchLoop) -> bool:
         """Whether the loop did what ``message`` (a refusal of ours) says."""
         if match := re.search(r"param (\d+) got (\d+) gradients", message):
             index, count = int(match[1]), int(match[2])
@@ -820,6 +863,10 @@ class _MicroStepGrads:
             return self.intake == "hooks" and bool(self.counts)
         if "took in" in message:  # (a tensor assigned to .grad that a state_dict() took in, then cleared)
             return self.taken
+        if "written over between two of its step() calls" in message or "written in place after this" in message:
+            return self.intake == "grad" and self.wrote_over_sums(plain)
+        if "its .grad holds no values" in message:  # (torch's clip reads the marker of a window's sum)
+            return self.intake == "hooks" and self.writing == "clip 0.05"
         return False
 
 
@@ -834,7 +881,12 @@ def test_random_counted_window_loops_train_as_torch_or_are_refused(intake):
     with no backward since is harmless in ours (the window is the wrapper's),
     so torch's loop skips it; one between a backward and its step() is
     torch's (intake "grad": zero_grad() discards the window, whose count
-    starts over; "hooks" refuses it)."""
+    starts over; "hooks" refuses it). A write into .grad (_COUNTED_WRITES) acts
+    as in torch's loop where it holds no window sum, and over one is refused
+    (intake "grad": the sum is undivided; "hooks": torch's clip reads its
+    marker) until the window starts over (before 2026-12-07, a harmless clear
+    or a state_dict() after a write between two step() calls let the window
+    step on the written sums: 9 of 60 seeds of this fuzz found it)."""
     rng = random.Random(torch.initial_seed())
 
     def one_loop() -> bool:
@@ -845,12 +897,16 @@ def test_random_counted_window_loops_train_as_torch_or_are_refused(intake):
         opt = getattr(ak, name)(model.parameters(), **FUSED[name], accum_steps=micro, intake=intake)
         gen, given = torch.Generator().manual_seed(3), _MicroStepGrads(model, intake)
         for k, op in enumerate(ops):
+            if op in _COUNTED_WRITES:
+                if (opt.micro_steps == 0 and not given.counts) or given.cleared_before_grad or given.assigned:
+                    continue
+                given.wrote(op, plain)
             before = [p.detach().clone() for p in model.parameters()]
             try:
                 opt = _apply(op, model, opt, gen, []) or opt
             except RuntimeError as e:
                 assert _unchanged(model.parameters(), before), f"{ops[: k + 1]}: refused after a change"
-                assert given.explains(str(e)), f"{intake} {ops[: k + 1]}: refused where the loop did not: {e}"
+                assert given.explains(str(e), plain), f"{intake} {ops[: k + 1]}: refused where the loop did not: {e}"
                 return False
             given.after(op)
             plain(op)
@@ -1729,13 +1785,16 @@ def test_a_counted_window_keeps_its_sums_through_clears_after_each_step(clear, i
     model.zero_grad() or .grad = None started the param's sum over): refused
     at the next step() and state_dict(), nothing stepped, until
     optimizer.zero_grad() starts the window over (intake "hooks": refused at the clear, which cannot take
-    one param's folded gradient out of the window)."""
+    one param's folded gradient out of the window). Also where the loop clears
+    with optimizer.zero_grad() after it, a harmless clear that took the
+    written-over sums as whole before 2026-12-07: the window stepped on its
+    last micro-step's gradient alone, silently."""
     micro = 3
     model, plain_model = _mlp(), _mlp()
     opt = ak.AdamW(model.parameters(), **FUSED["AdamW"], accum_steps=micro, intake=intake)
     plain_opt = torch.optim.AdamW(plain_model.parameters(), **FUSED["AdamW"])
     plain = _train_clearing(plain_opt, plain_model, CLEARS["optimizer.zero_grad()"], steps=2, micro=micro)
-    if clear != "model.zero_grad(set_to_none=False)":
+    if not clear.startswith("model.zero_grad(set_to_none=False)"):
         _assert_fused_close(_train_clearing(opt, model, CLEARS[clear], steps=2, micro=micro), plain, steps=2)
         return
     before = [p.detach().clone() for p in model.parameters()]
@@ -1802,7 +1861,7 @@ def test_a_counted_window_steps_a_param_without_gradient_as_torch_after_each_cle
     _train_branches(
         torch.optim.AdamW(skipping.parameters(), **FUSED["AdamW"]), skipping, CLEARS["p.grad = None"], micro
     )
-    assert torch.equal(plain[2], skipping[1].weight) != ("set_to_none=False" in clear)
+    assert torch.equal(plain[2], skipping[1].weight) != clear.endswith("(set_to_none=False)")
 
 
 @pytest.mark.parametrize("foreach", [False, True])
@@ -1957,6 +2016,66 @@ def test_a_counted_windows_sum_edited_after_a_backward_is_refused(edit, micro_st
             (loss if counted else loss / (12 if items else 3)).backward()  # (items: 4 a micro-batch)
             if counted:
                 o.step(**items)
+        if not counted:
+            o.step()
+    assert opt.window_stepped
+    _assert_fused_close(list(model.parameters()), list(plain_model.parameters()), steps=1)
+
+
+# What a loop may call after writing into a counted window's sums between two
+# step() calls: a harmless clear, or what takes the window in (refused there).
+_AFTER_SUMS_WRITTEN = {
+    "optimizer.zero_grad()": lambda model, opt: opt.zero_grad(),
+    "optimizer.zero_grad(set_to_none=False)": lambda model, opt: opt.zero_grad(set_to_none=False),
+    "model.zero_grad()": lambda model, opt: model.zero_grad(),
+    "state_dict()": lambda model, opt: opt.state_dict(),
+    "deepcopy": lambda model, opt: copy.deepcopy(opt),
+}
+
+
+@pytest.mark.parametrize("then", list(_AFTER_SUMS_WRITTEN))
+@pytest.mark.parametrize("edit", list(_SUM_EDITS))
+def test_a_counted_windows_sums_written_between_step_calls_stay_refused(edit, then):
+    """accum_steps=N, intake "grad": a write into .grad after a micro-step's
+    step(), before the next backward (a clip, a scaling, a clear in place of
+    one param), writes over the window's running sum of the micro-steps so
+    far: refused at the next step(), state_dict() and a copy, nothing counted
+    or stepped. A clear there is the harmless one (the window goes on), so
+    the refusal stays; before 2026-12-07 the clear, state_dict() and a copy
+    took the written sums as whole, and the window stepped on them,
+    silently. Once refused, zero_grad() starts the window over, as the
+    message says, and a window then trains as torch's loop."""
+    model = _mlp()
+    opt = ak.SGD(model.parameters(), **FUSED["SGD"], accum_steps=3, intake="grad")
+    before = [p.detach().clone() for p in model.parameters()]
+    gen = torch.Generator().manual_seed(1)
+    model(torch.randn(4, 5, generator=gen)).pow(2).mean().backward()
+    opt.step()
+    _SUM_EDITS[edit](model)
+    refused = r"the window's sums were written over between two of its step\(\) calls"
+    if then in ("state_dict()", "deepcopy"):
+        with pytest.raises(RuntimeError, match=refused):
+            _AFTER_SUMS_WRITTEN[then](model, opt)
+    else:
+        _AFTER_SUMS_WRITTEN[then](model, opt)
+        model(torch.randn(4, 5, generator=gen)).pow(2).mean().backward()
+        with pytest.raises(RuntimeError, match=refused):
+            opt.step()
+    for call in (opt.step, opt.state_dict):
+        with pytest.raises(RuntimeError, match=refused):
+            call()
+    assert opt.micro_steps == 1 and all(map(torch.equal, model.parameters(), before))
+    opt.zero_grad()
+    assert opt.micro_steps == 0
+    plain_model = _mlp()
+    plain = _torch("SGD")(plain_model.parameters())
+    for m, o, counted in ((model, opt, True), (plain_model, plain, False)):
+        gen = torch.Generator().manual_seed(2)
+        for _ in range(3):
+            loss = m(torch.randn(4, 5, generator=gen)).pow(2).mean()
+            (loss if counted else loss / 3).backward()
+            if counted:
+                o.step()
         if not counted:
             o.step()
     assert opt.window_stepped

@@ -232,7 +232,7 @@ _READS_WINDOW = "state_dict(), accumulated_grad(), clip_grad_norm_(), a copy"
 # Why intake "grad" refuses a counted window's step() (GradIntake.refuse_lost_sums).
 _SUMS_OVERWRITTEN = (
     "the window's sums were written over between two of its step() calls (e.g. "
-    "model.zero_grad(set_to_none=False) or p.grad.zero_() after a micro-step's step()): with "
+    "model.zero_grad(set_to_none=False), p.grad.zero_() or a clip after a micro-step's step()): with "
     "accum_steps=N, .grad holds the window's running sum, which the window's last step() clears, so "
     "no clear is needed there (optimizer.zero_grad() and model.zero_grad() are harmless). Its earlier "
     "micro-steps are lost: call optimizer.zero_grad() to start the window over"
@@ -1394,6 +1394,10 @@ class GradIntake(Intake):
         # two step() calls after the window's first gradients, or edited the
         # undivided running sum after a micro-step's backward (_note_edited_sums)
         self._lost_sums: str | None = None
+        # Whether a call raised it (refuse_lost_sums, refuse_lost_used): only
+        # then does zero_grad() between two step() calls start the window over
+        # (until then it is the harmless clear, and the refusal stays to come).
+        self._lost_sums_told = False
         # accum_steps=None: the buffers keep the gradients a step used (the
         # params in _used), as torch.optim's .grad does, until a clear.
         self.zero_buffers_at_step = self.accum_steps is not None
@@ -1545,7 +1549,7 @@ class GradIntake(Intake):
         # at the window's start, .grad may have been cleared in place.
         if self.layout.flat._version > self._seen_version + (grad is r.buffer):
             if self._between_micro_steps():
-                self._lost_sums = _SUMS_OVERWRITTEN
+                self._note_overwritten_sums()
             elif self._at_window_start():
                 self._take_cleared(r)
         starts = not self.window.grads_since_step and self._micro_step_starts()  # (once a micro-step: no calls after)
@@ -1756,9 +1760,10 @@ class GradIntake(Intake):
         Refused at every step() of the window, before anything is counted,
         until zero_grad() starts it over."""
         if self._between_micro_steps() and self.layout.flat._version != self._seen_version:
-            self._lost_sums = _SUMS_OVERWRITTEN
+            self._note_overwritten_sums()
         self._note_edited_sums()
         if self._lost_sums is not None:
+            self._lost_sums_told = True
             raise RuntimeError(self._lost_sums)
 
     def refuse_lost_used(self, what: str) -> None:
@@ -1766,7 +1771,19 @@ class GradIntake(Intake):
         (refuse_lost_sums) is not saved either, where a resumed run would step
         on its sums."""
         if self._lost_sums is not None:
+            self._lost_sums_told = True
             raise RuntimeError(f"{what}: {self._lost_sums}")
+
+    def _note_overwritten_sums(self) -> None:
+        """Other code wrote into the buffers between two step() calls of a
+        counted window, after its first micro-step: its earlier micro-steps'
+        sums are lost (refuse_lost_sums). Noted wherever the intake accounts
+        for a write, before it does (a backward, step(), and what takes the
+        window in: zero_grad(), state_dict(), a copy), so that nothing after
+        the write makes the window's sums look whole again."""
+        if self._lost_sums is None:
+            self._lost_sums = _SUMS_OVERWRITTEN
+            self._lost_sums_told = False
 
     def _note_edited_sums(self) -> None:
         """A counted window that divides its sum at its step (accum_steps=N >
@@ -1796,6 +1813,7 @@ class GradIntake(Intake):
                 by={"mean": "its micro-steps", "items": "its items"}[window.normalize],
                 normalize=window.normalize,
             )
+            self._lost_sums_told = False
 
     def uncleared(self, indices: set[int]) -> set[int]:
         """Those whose ``.grad`` is still their buffer, unless something but
@@ -1843,6 +1861,8 @@ class GradIntake(Intake):
             self._take_cleared()
             if flat._version == self._seen_version:  # (accounted for: a clear)
                 return
+        if self._between_micro_steps():
+            self._note_overwritten_sums()
         self._note_edited_sums()
         if self.window.unzeroed:  # (a clear of the gradient the last step() used is told by these writes)
             self.window.unzeroed = self.uncleared(self.window.unzeroed)
@@ -1990,9 +2010,11 @@ class GradIntake(Intake):
         GradScaler skipped), are discarded (those written into ``.grad`` in
         place or assigned too: before_zero_grad()): every buffer holds zeros
         after it (``set_to_none`` is the window's to record)."""
-        # The window so far is discarded (and so, after refuse_lost_sums, is
-        # the rest of a window whose sums other code wrote over).
-        discard = self.window.grads_since_step or self._lost_sums is not None
+        # The window so far is discarded (and so, after refuse_lost_sums told
+        # it, is the rest of a window whose sums other code wrote over or
+        # edited; a clear before that is the harmless one between two step()
+        # calls, and the window stays refused: its sums are still lost).
+        discard = self.window.grads_since_step or (self._lost_sums is not None and self._lost_sums_told)
         if discard or self._used:
             self.layout.zero_all()
             self._used.clear()
