@@ -2022,6 +2022,28 @@ def test_a_counted_windows_sum_edited_after_a_backward_is_refused(edit, micro_st
     _assert_fused_close(list(model.parameters()), list(plain_model.parameters()), steps=1)
 
 
+@pytest.mark.parametrize("edit", ["clip_grad_norm_", "clip_grad_value_", "grads.mul_"])
+def test_a_counted_windows_sum_edited_then_given_a_gradient_is_still_refused(edit):
+    """accum_steps=N, intake "grad": an edit of the undivided sum after a
+    micro-step's backward, then a param's .grad dropped and a backward that
+    reaches it (its new gradient is copied into its buffer): the edit of the
+    other params' sums stays refused at step(). Before 2026-12-07 that
+    gradient accounted for the buffer's version counter, the edit with it
+    (its count kept only in _unseen_write, which the check did not read), and
+    the window stepped on the clipped sums, silently (found by the seed sweep
+    of the counted-window fuzz)."""
+    model = _mlp()
+    opt = ak.SGD(model.parameters(), **FUSED["SGD"], accum_steps=2, intake="grad")
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.randn(4, 5)).pow(2).mean().backward()
+    _SUM_EDITS[edit](model)
+    model[0].weight.grad = None
+    model(torch.randn(4, 5)).pow(2).mean().backward(inputs=[model[0].weight])
+    with pytest.raises(RuntimeError, match=r"written in place after this micro-step's backward"):
+        opt.step()
+    assert opt.micro_steps == 0 and all(map(torch.equal, model.parameters(), before))
+
+
 # What a loop may call after writing into a counted window's sums between two
 # step() calls: a harmless clear, or what takes the window in (refused there).
 _AFTER_SUMS_WRITTEN = {

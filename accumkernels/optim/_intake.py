@@ -1473,8 +1473,7 @@ class GradIntake(Intake):
             r.param.grad is None
             and index not in self.window.touched
             and index not in self._used
-            and self.layout.flat._version == self._seen_version
-            and not self._unseen_write
+            and not self._written_unaccounted()
         ):
             self.window.unzeroed.discard(index)
             self.set_grad(r, r.buffer)
@@ -1759,7 +1758,7 @@ class GradIntake(Intake):
         other code edited after a micro-step's backward (_note_edited_sums).
         Refused at every step() of the window, before anything is counted,
         until zero_grad() starts it over."""
-        if self._between_micro_steps() and self.layout.flat._version != self._seen_version:
+        if self._between_micro_steps() and self._written_unaccounted():
             self._note_overwritten_sums()
         self._note_edited_sums()
         if self._lost_sums is not None:
@@ -1797,13 +1796,13 @@ class GradIntake(Intake):
         in place of every sum (``model.zero_grad(set_to_none=False)``) is
         torch's loop's clear, and stays harmless. Only after such a write:
         one host sync (are the sums all zero?)."""
-        flat, window = self.layout.flat, self.window
+        window = self.window
         if (
             self._lost_sums is not None
             or (self.accum_steps or 1) == 1
             or window.normalize == "sum"
             or not window.grads_since_step
-            or flat._version == self._seen_version
+            or not self._written_unaccounted()
         ):
             return
         held = [r.buffer for r in self.layout if r.index in window.touched and r.param.grad is r.buffer]
@@ -1855,7 +1854,7 @@ class GradIntake(Intake):
         all zeros was written. (A param written in place with exact zeros stays
         without a gradient: torch.optim would step it with a zero gradient.)"""
         flat = self.layout.flat
-        if flat._version == self._seen_version and not self._unseen_write:
+        if not self._written_unaccounted():
             return
         if self._at_window_start():
             self._take_cleared()
@@ -1881,6 +1880,14 @@ class GradIntake(Intake):
                 self.window.touched.add(r.index)
                 self.window.grads_since_step = True
         self._account_writes()
+
+    def _written_unaccounted(self) -> bool:
+        """Whether other code wrote into the flat buffer since the intake last
+        accounted for every write: its version counter moved since, or moved
+        by more than autograd's add at a gradient taken since (_take: such a
+        gradient accounts for the counter, and _unseen_write keeps the
+        write)."""
+        return self.layout.flat._version != self._seen_version or self._unseen_write
 
     def _account_writes(self) -> None:
         """Every write into the flat buffer so far is accounted for."""
@@ -2067,7 +2074,7 @@ class GradIntake(Intake):
         for: one by other code stays to be looked at)."""
         if not records:  # no gradient in the window (its norm is 0), as torch's on no .grad
             return
-        own = self.layout.flat._version == self._seen_version and not self._unseen_write
+        own = not self._written_unaccounted()
         torch._foreach_mul_([r.buffer for r in records], coef)
         if own:
             self._account_writes()
