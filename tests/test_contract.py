@@ -2044,6 +2044,39 @@ def test_a_counted_windows_sum_edited_then_given_a_gradient_is_still_refused(edi
     assert opt.micro_steps == 0 and all(map(torch.equal, model.parameters(), before))
 
 
+@pytest.mark.parametrize("edit", ["clip_grad_norm_", "grads.mul_"])
+def test_a_write_before_a_micro_steps_first_gradient_over_no_sum_is_torchs(edit):
+    """accum_steps=N, intake "grad": after the window's last step(), .grad
+    holds the cleared sums (zeros); a write there in a micro-step without
+    a gradient yet, with no sum in the window (torch's loop holds None: a
+    write does nothing), then the micro-step's backward: not an edit of the
+    sum, and the window trains as torch's loop. (The first fix of the edit
+    above took it as one, at step(): found by the counted-window fuzz.)"""
+    runs = []
+    for counted in (True, False):
+        model = _mlp()
+        opt = (
+            ak.SGD(model.parameters(), **FUSED["SGD"], accum_steps=3, intake="grad")
+            if counted
+            else _torch("SGD")(model.parameters())
+        )
+        gen = torch.Generator().manual_seed(1)
+        for window in range(2):
+            if counted and window == 1:
+                opt.step()  # (a micro-step without gradient)
+                _SUM_EDITS[edit](model)
+            for _ in range(3 - window):
+                loss = model(torch.randn(4, 5, generator=gen)).pow(2).mean()
+                (loss if counted else loss / 3).backward()
+                if counted:
+                    opt.step()
+            if not counted:
+                opt.step()
+                opt.zero_grad()
+        runs.append(list(model.parameters()))
+    _assert_fused_close(*runs, steps=2)
+
+
 # What a loop may call after writing into a counted window's sums between two
 # step() calls: a harmless clear, or what takes the window in (refused there).
 _AFTER_SUMS_WRITTEN = {

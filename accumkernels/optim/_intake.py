@@ -1545,10 +1545,14 @@ class GradIntake(Intake):
         # Other code wrote into the buffers since the last step() of a counted
         # window, before its gradients (autograd's add into .grad bumps the
         # version once): its earlier micro-steps' sums were overwritten, or,
-        # at the window's start, .grad may have been cleared in place.
+        # at the window's start, .grad may have been cleared in place; or
+        # after this micro-step's earlier gradients: an edit (torch's clip),
+        # noted now, before this gradient accounts for the version counter.
         if self.layout.flat._version > self._seen_version + (grad is r.buffer):
             if self._between_micro_steps():
                 self._note_overwritten_sums()
+            elif self.window.grads_since_step:
+                self._note_edited_sums()
             elif self._at_window_start():
                 self._take_cleared(r)
         starts = not self.window.grads_since_step and self._micro_step_starts()  # (once a micro-step: no calls after)
@@ -1802,7 +1806,7 @@ class GradIntake(Intake):
             or (self.accum_steps or 1) == 1
             or window.normalize == "sum"
             or not window.grads_since_step
-            or not self._written_unaccounted()
+            or self.layout.flat._version == self._seen_version  # (a write _take saw was noted there)
         ):
             return
         held = [r.buffer for r in self.layout if r.index in window.touched and r.param.grad is r.buffer]
