@@ -1264,7 +1264,8 @@ def test_hooks_refuses_to_save_a_sum_over_an_uncleared_gradient():
     torch.optim's .grad holds the two gradients added, and step() is refused
     (test_a_step_on_the_last_steps_uncleared_gradients_is_refused); the fold overwrote the old one, so
     state_dict() and a copy are refused too (before, a rebuild saved the new
-    gradient alone and the new optimizer stepped it, 2e-3 off torch's), and close()
+    gradient alone and the new optimizer stepped it, 2e-3 off torch's), as are
+    accumulated_grad() and opt.clip_grad_norm_(), which read it, and close()
     leaves the marker, whose use says why."""
     model = _mlp()
     params = list(model.parameters())
@@ -1272,7 +1273,15 @@ def test_hooks_refuses_to_save_a_sum_over_an_uncleared_gradient():
     gen = torch.Generator().manual_seed(3)
     for op in ("backward", "step", "backward"):
         _apply(op, model, opt, gen, [])
-    for save in (opt.state_dict, lambda: copy.deepcopy(opt)):  # (a copy saved it, before 2026-12-07's last read)
+    reads = (
+        lambda: opt.accumulated_grad(params[0]),
+        lambda: opt.clip_grad_norm_(1.0),
+    )  # (they read it, before 2026-12-07)
+    for save in (
+        opt.state_dict,
+        lambda: copy.deepcopy(opt),
+        *reads,
+    ):  # (a copy saved it, before 2026-12-07's last read)
         with pytest.raises(RuntimeError, match="added onto the one the last step\\(\\) used"):
             save()
     opt.close()
@@ -1990,7 +1999,9 @@ def test_a_counted_windows_sum_edited_after_a_backward_is_refused(edit, micro_st
     refused at step(), state_dict() and a copy (which stepped on it,
     silently, before 2026-12-07's last read), before anything is counted or
     stepped, and at every step() until zero_grad() starts the window over;
-    then the window trains as torch's loop."""
+    then the window trains as torch's loop. accumulated_grad() and
+    opt.clip_grad_norm_() refuse it too (they returned a gradient and a
+    norm that no step would use)."""
     model = _mlp()
     opt = ak.SGD(model.parameters(), **FUSED["SGD"], accum_steps=3, intake="grad", normalize=normalize)
     before = [p.detach().clone() for p in model.parameters()]
@@ -2001,7 +2012,14 @@ def test_a_counted_windows_sum_edited_after_a_backward_is_refused(edit, micro_st
         if i < micro_step:
             opt.step(**items)
     _SUM_EDITS[edit](model)
-    for call in (lambda: opt.step(**items), opt.state_dict, lambda: copy.deepcopy(opt), lambda: opt.step(**items)):
+    reads = (lambda: opt.accumulated_grad(model[0].weight), lambda: opt.clip_grad_norm_(float("inf")))
+    for call in (
+        lambda: opt.step(**items),
+        opt.state_dict,
+        lambda: copy.deepcopy(opt),
+        *reads,
+        lambda: opt.step(**items),
+    ):
         with pytest.raises(RuntimeError, match=r"max_grad_norm=.*normalize='sum'"):
             call()
     assert opt.micro_steps == micro_step
@@ -2095,7 +2113,8 @@ def test_a_counted_windows_sums_written_between_step_calls_stay_refused(edit, th
     step(), before the next backward (a clip, a scaling, a clear in place of
     one param), writes over the window's running sum of the micro-steps so
     far: refused at the next step(), state_dict() and a copy, nothing counted
-    or stepped. A clear there is the harmless one (the window goes on), so
+    or stepped (and by accumulated_grad() and opt.clip_grad_norm_(), which
+    read it). A clear there is the harmless one (the window goes on), so
     the refusal stays; before 2026-12-07 the clear, state_dict() and a copy
     took the written sums as whole, and the window stepped on them,
     silently. Once refused, zero_grad() starts the window over, as the
@@ -2116,7 +2135,12 @@ def test_a_counted_windows_sums_written_between_step_calls_stay_refused(edit, th
         model(torch.randn(4, 5, generator=gen)).pow(2).mean().backward()
         with pytest.raises(RuntimeError, match=refused):
             opt.step()
-    for call in (opt.step, opt.state_dict):
+    for call in (
+        opt.step,
+        opt.state_dict,
+        lambda: opt.accumulated_grad(model[0].weight),
+        lambda: opt.clip_grad_norm_(1.0),
+    ):
         with pytest.raises(RuntimeError, match=refused):
             call()
     assert opt.micro_steps == 1 and all(map(torch.equal, model.parameters(), before))

@@ -598,8 +598,9 @@ class Intake:
         other code overwrote (intake "grad": see its own)."""
 
     def refuse_lost_used(self, what: str) -> None:
-        """At state_dict(): refuse a window that lost what torch.optim's
-        ``.grad`` holds (intake "hooks": see its own)."""
+        """Where the window is saved or read, after take_in()
+        (AccumulatingOptimizer._take_in_refusing_lost): refuse a window that
+        lost what torch.optim's ``.grad`` holds (intake "hooks": see its own)."""
 
     def after_step(self) -> None:
         """The window's update is done (or skipped)."""
@@ -1770,9 +1771,9 @@ class GradIntake(Intake):
             raise RuntimeError(self._lost_sums)
 
     def refuse_lost_used(self, what: str) -> None:
-        """At state_dict(), after take_in(): a window that step() refuses
-        (refuse_lost_sums) is not saved either, where a resumed run would step
-        on its sums."""
+        """Where the window is saved or read, after take_in(): a window that
+        step() refuses (refuse_lost_sums) is not saved either, where a resumed
+        run would step on its sums, nor read (accumulated_grad(), our clip)."""
         if self._lost_sums is not None:
             self._lost_sums_told = True
             raise RuntimeError(f"{what}: {self._lost_sums}")

@@ -485,7 +485,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             raise ValueError("param is not one of the wrapped optimizer's params")
         self._refuse_closed("accumulated_grad()")
         self._refuse_during_reduction("accumulated_grad()")
-        self._intake.take_in()
+        self._take_in_refusing_lost("accumulated_grad()")
         if r.index not in self._window.touched:
             return torch.zeros_like(r.buffer_like(), dtype=torch.float32)
         return self._intake.window_sum(r) * self._normalization_so_far()
@@ -511,7 +511,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 "clip_grad_norm_() needs the window's global gradient, which exists only after its "
                 "cross-rank reduction: pass max_grad_norm= to the wrapper instead"
             )
-        self._intake.take_in()
+        self._take_in_refusing_lost("clip_grad_norm_()")
         records = self._sync.norm_records()
         norm = self._updater.norm(records, self._intake.held_scale(self._normalization_so_far()))
         self._intake.clip(records, clip_coefficient(max_norm, norm))
@@ -549,7 +549,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._refuse_saving("state_dict()", dcp)
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        self._take_in_to_save("state_dict()")
+        self._take_in_refusing_lost("state_dict()")
         if dcp and not self.optimizer.state:
             # DCP creates a plain optimizer's state before it saves or loads
             # (its template must hold the keys it loads), but only where every
@@ -621,18 +621,19 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         # The window's entry without the state-dict hooks registered on this
         # wrapper: a copy runs none and keeps none, as torch.optim's.
         self._refuse_saving("copying", _checkpoint.dcp_saving())
-        self._take_in_to_save("copying")
+        self._take_in_refusing_lost("copying")
         return {"optimizer": self.optimizer, "arguments": self._arguments, "window": self._window_entry()}
 
-    def _take_in_to_save(self, what: str) -> None:
-        """Before the window is saved (``what``: state_dict(), a copy): what
-        ``.grad`` holds joins it, a tensor assigned there included, as step()
-        would take it; a window that lost what torch.optim's ``.grad`` holds
-        (intake "hooks": gradients that ``.grad = None`` dropped after backward)
-        or that step() refuses (intake "grad": its sums written over or
-        edited) is refused here too, not saved for a resume or a copy to step
-        on. (Closed: the window as close() left it; the params are no longer
-        looked at.)"""
+    def _take_in_refusing_lost(self, what: str) -> None:
+        """Before the window is saved or read (``what``: state_dict(), a copy,
+        accumulated_grad(), clip_grad_norm_()): what ``.grad`` holds joins it,
+        a tensor assigned there included, as step() would take it; a window
+        that lost what torch.optim's ``.grad`` holds (intake "hooks":
+        gradients that ``.grad = None`` dropped after backward) or that step()
+        refuses (intake "grad": its sums written over or edited) is refused
+        here too, not saved for a resume or a copy to step on, nor read as a
+        gradient or norm no step will use. (Closed: the window as close() left
+        it; the params are no longer looked at.)"""
         if not self._closed:
             self._intake.take_in()
             self._intake.refuse_lost_used(what)
