@@ -1987,6 +1987,25 @@ def _counted_edit_loops(normalize, edit, micro=3, windows=2):
     return runs
 
 
+def _assert_the_next_window_is_torchs(model, opt, items) -> None:
+    """A refused window of ``opt`` (SGD, accum_steps=3, on _mlp(), nothing
+    stepped) started over by zero_grad(): the next window (``items``: the
+    step()'s num_items=4, or {}) trains as torch's loop from the same params."""
+    plain_model = _mlp()
+    plain = _torch("SGD")(plain_model.parameters())
+    for m, o, counted in ((model, opt, True), (plain_model, plain, False)):
+        gen = torch.Generator().manual_seed(2)
+        for _ in range(3):
+            loss = m(torch.randn(4, 5, generator=gen)).pow(2).mean()
+            (loss if counted else loss / (12 if items else 3)).backward()  # (items: 4 a micro-batch)
+            if counted:
+                o.step(**items)
+        if not counted:
+            o.step()
+    assert opt.window_stepped
+    _assert_fused_close(list(model.parameters()), list(plain_model.parameters()), steps=1)
+
+
 @pytest.mark.parametrize("normalize", ["mean", "items"])
 @pytest.mark.parametrize("micro_step", [0, 1], ids=["first-micro-step", "later-micro-step"])
 @pytest.mark.parametrize("edit", list(_SUM_EDITS))
@@ -2025,19 +2044,7 @@ def test_a_counted_windows_sum_edited_after_a_backward_is_refused(edit, micro_st
     assert opt.micro_steps == micro_step
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
     opt.zero_grad()
-    plain_model = _mlp()
-    plain = _torch("SGD")(plain_model.parameters())
-    for m, o, counted in ((model, opt, True), (plain_model, plain, False)):
-        gen = torch.Generator().manual_seed(2)
-        for _ in range(3):
-            loss = m(torch.randn(4, 5, generator=gen)).pow(2).mean()
-            (loss if counted else loss / (12 if items else 3)).backward()  # (items: 4 a micro-batch)
-            if counted:
-                o.step(**items)
-        if not counted:
-            o.step()
-    assert opt.window_stepped
-    _assert_fused_close(list(model.parameters()), list(plain_model.parameters()), steps=1)
+    _assert_the_next_window_is_torchs(model, opt, items)
 
 
 @pytest.mark.parametrize("edit", ["clip_grad_norm_", "clip_grad_value_", "grads.mul_"])
@@ -2146,19 +2153,7 @@ def test_a_counted_windows_sums_written_between_step_calls_stay_refused(edit, th
     assert opt.micro_steps == 1 and all(map(torch.equal, model.parameters(), before))
     opt.zero_grad()
     assert opt.micro_steps == 0
-    plain_model = _mlp()
-    plain = _torch("SGD")(plain_model.parameters())
-    for m, o, counted in ((model, opt, True), (plain_model, plain, False)):
-        gen = torch.Generator().manual_seed(2)
-        for _ in range(3):
-            loss = m(torch.randn(4, 5, generator=gen)).pow(2).mean()
-            (loss if counted else loss / 3).backward()
-            if counted:
-                o.step()
-        if not counted:
-            o.step()
-    assert opt.window_stepped
-    _assert_fused_close(list(model.parameters()), list(plain_model.parameters()), steps=1)
+    _assert_the_next_window_is_torchs(model, opt, {})
 
 
 @pytest.mark.parametrize("unscale", [False, True], ids=["scaler.step", "unscale_-clip-scaler.step"])
