@@ -1292,6 +1292,33 @@ def test_hooks_refuses_to_save_a_sum_over_an_uncleared_gradient():
     assert all(p.grad is None for p in params)
 
 
+# Windows that step() refuses, and what the refusal says (intake, accum_steps, the loop's calls).
+_REFUSED_WINDOWS = {
+    "grad-sums-written-over": ("grad", 3, ["backward", "step", "model.zero_grad(False)"], "written over between"),
+    "grad-sum-clipped": ("grad", 3, ["backward", "clip 0.05"], "written in place after this micro-step's backward"),
+    "hooks-folded-over-uncleared": ("hooks", None, ["backward", "step", "backward"], "added onto the one the last"),
+}
+
+
+@pytest.mark.parametrize("case", list(_REFUSED_WINDOWS))
+def test_a_closed_optimizer_does_not_save_a_window_step_refuses(case):
+    """A window that step(), state_dict() and a copy refuse, then close(): the
+    closed optimizer's state_dict() and a copy refuse it too, as before the
+    close (before 2026-12-07 they saved it, "the window as close() left it",
+    and an optimizer of ours that loaded it stepped on the lost sums,
+    silently)."""
+    intake, accum_steps, ops, refused = _REFUSED_WINDOWS[case]
+    model = _mlp()
+    opt = ak.SGD(model.parameters(), **FUSED["SGD"], accum_steps=accum_steps, intake=intake)
+    gen = torch.Generator().manual_seed(1)
+    for op in ops:
+        _apply(op, model, opt, gen, [])
+    opt.close()
+    for save in (opt.state_dict, lambda: copy.deepcopy(opt)):
+        with pytest.raises(RuntimeError, match=refused):
+            save()
+
+
 @pytest.mark.parametrize("intake", ["grad", "hooks"])
 @pytest.mark.parametrize("unfreeze", [False, True], ids=["frozen", "unfrozen"])
 def test_a_param_frozen_mid_window_and_rebuilt_steps_as_torchs(intake, unfreeze):

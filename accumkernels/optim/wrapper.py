@@ -633,10 +633,14 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         refuses (intake "grad": its sums written over or edited) is refused
         here too, not saved for a resume or a copy to step on, nor read as a
         gradient or norm no step will use. (Closed: the window as close() left
-        it; the params are no longer looked at.)"""
-        if not self._closed:
+        it, the params no longer looked at; a window close() found refused
+        stays refused: an optimizer that loaded it would step on it.)"""
+        if self._closed:
+            # (its advice to start the window over is for an open one: this one steps no more)
+            what = f"{what} of an optimizer closed with a window that step() refuses (build the next one without it)"
+        else:
             self._intake.take_in()
-            self._intake.refuse_lost_used(what)
+        self._intake.refuse_lost_used(what)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         AccumulatingOptimizer.__init__(self, state["optimizer"], **state["arguments"])
