@@ -303,9 +303,10 @@ def _apply(op, model, opt, gen, norms):
     older loops do), "state reset p2", "wd 0", "state_dict" (saved, not
     loaded: intake "hooks" takes an assigned .grad in), "rebuild" (the
     optimizer closed and a new one built over the params, loading its state
-    dict) and "to torch" (the same, into torch.optim's optimizer: the loop
-    goes on under torch's): these two return the new optimizer, where every
-    other call returns None."""
+    dict), "rebuild closed" (the same, its state dict saved after the close)
+    and "to torch" (the same as "rebuild", into torch.optim's optimizer: the
+    loop goes on under torch's): these three return the new optimizer, where
+    every other call returns None."""
     params = list(model.parameters())
     if op in ("backward", "backward x2"):
         loss = model(_batch(gen, params)).pow(2).mean()
@@ -364,8 +365,8 @@ def _apply(op, model, opt, gen, norms):
         opt.state[params[2]] = {}
     elif op == "wd 0":
         opt.param_groups[0]["weight_decay"] = 0.0
-    elif op == "rebuild":
-        return _rebuild(opt, params)
+    elif op in ("rebuild", "rebuild closed"):
+        return _rebuild(opt, params, closed_first=op == "rebuild closed")
     elif op == "to torch":
         return _rebuild(opt, params, _torch(type(opt).__name__))
     elif op == "reload":
@@ -381,13 +382,17 @@ def _apply(op, model, opt, gen, norms):
         raise ValueError(op)
 
 
-def _rebuild(opt, params, into=None):
+def _rebuild(opt, params, into=None, closed_first=False):
     """``opt`` closed (ours) and a new optimizer ``into(params)`` built over
-    ``params`` that loads its state dict, as a run that switches or rebuilds
-    its optimizer in process does; by default one like ``opt`` (ours with its
-    intake and accum_steps, or torch's)."""
+    ``params`` that loads its state dict (saved after the close where
+    ``closed_first``), as a run that switches or rebuilds its optimizer in
+    process does; by default one like ``opt`` (ours with its intake and
+    accum_steps, or torch's)."""
+    ours = isinstance(opt, ak.AccumulatingOptimizer)
+    if ours and closed_first:
+        opt.close()
     saved, name = copy.deepcopy(opt.state_dict()), type(opt).__name__
-    if isinstance(opt, ak.AccumulatingOptimizer):
+    if ours:
         opt.close()
         kept = dict(intake=opt.intake, accum_steps=opt.accum_steps)
         into = into or (lambda ps: getattr(ak, name)(ps, **FUSED[name], **kept))
@@ -659,7 +664,7 @@ def test_random_torch_optim_loops_train_as_torch_or_are_refused(intake):
     the refusals checked, the clears around rebuilds and reloads of
     test_a_clear_around_a_rebuild_or_reload_is_torchs.)"""
     rng = random.Random(torch.initial_seed())
-    calls = FUZZ_OPS + ONE_PROCESS_OPS + ["rebuild", "to torch"]
+    calls = FUZZ_OPS + ONE_PROCESS_OPS + ["rebuild", "rebuild closed", "to torch"]
 
     def one_loop() -> bool:
         ops = [rng.choice(calls) for _ in range(rng.randint(3, 12))] + ["step"]
@@ -695,12 +700,13 @@ ONE_PROCESS_OPS = [
 # intake "grad" over one (its sum is undivided) and by "hooks" for the clip
 # (which reads its marker). Left out at a window's start, before its first
 # gradient: a write that leaves the zero buffers zeros counts as a clear in
-# place there (docs/optimizers.md, _register); and after a harmless clear
-# since a step(), before a gradient: ours holds None where torch's loop,
-# which skips that clear (_CountedTorchLoop), holds the window's sum; and
-# over a tensor assigned to .grad there ("p2 = 0.5"), which ours takes as
-# the micro-step's gradient (the write reaches it, not the sum behind it)
-# where torch's loop's write reaches both.
+# place there (docs/optimizers.md, _register); where a param's .grad is None
+# in one loop only (a harmless clear after a step(), which torch's loop
+# skips, _CountedTorchLoop: ours holds None until the param's next gradient
+# where torch's loop holds the window's sum); and over a tensor assigned to
+# .grad there ("p2 = 0.5"), which ours takes as the micro-step's gradient
+# (the write reaches it, not the sum behind it) where torch's loop's write
+# reaches both.
 _COUNTED_WRITES = ["grads /= 4", "clip 0.05"]
 
 # The calls of the random counted-window loops below (zero_grad(set_to_none=False)
@@ -718,6 +724,7 @@ COUNTED_OPS = [
     "lr",
     "reload",
     "rebuild",
+    "rebuild closed",
     "state_dict",
     *_COUNTED_WRITES,
 ]
@@ -759,6 +766,7 @@ class _CountedTorchLoop:
 
     def __call__(self, op: str) -> None:
         model, opt = self.model, self.opt
+        op = "rebuild" if op == "rebuild closed" else op  # (alike here: ours saves after its close)
         if op in ("backward", "backward p0"):
             if op == "backward" or self.intake == "grad":  # (intake "hooks" takes it at p2's own gradient)
                 self._add_assigned()
@@ -814,7 +822,6 @@ class _MicroStepGrads:
         # _COUNTED_WRITES: the one being called (wrote()), and the window of
         # torch's loop in which one wrote over a sum it holds (None: none did)
         self.writing, self.wrote_over_sums_in = None, None
-        self.cleared_before_grad = False  # (a harmless clear since a step(), no gradient since)
 
     def wrote(self, op: str, plain: _CountedTorchLoop) -> None:
         """Before a write of _COUNTED_WRITES: where torch's loop holds a window
@@ -829,10 +836,7 @@ class _MicroStepGrads:
 
     def after(self, op: str) -> None:
         self.writing = None
-        if op in ("zero_grad", "model.zero_grad", "p0 = None") and not self.counts:
-            self.cleared_before_grad = True  # (.grad stays None until the next gradient)
-        elif op in ("backward", "backward p0"):
-            self.cleared_before_grad = False
+        op = "rebuild" if op == "rebuild closed" else op
         if op == "step":
             self.counts, self.dropped, self.assigned, self.taken = {}, set(), False, False
         elif op == "p2 = 0.5" and not self.counts.get(2):
@@ -898,7 +902,8 @@ def test_random_counted_window_loops_train_as_torch_or_are_refused(intake):
         gen, given = torch.Generator().manual_seed(3), _MicroStepGrads(model, intake)
         for k, op in enumerate(ops):
             if op in _COUNTED_WRITES:
-                if (opt.micro_steps == 0 and not given.counts) or given.cleared_before_grad or given.assigned:
+                nones = [[p.grad is None for p in m.parameters()] for m in (model, plain.model)]
+                if (opt.micro_steps == 0 and not given.counts) or nones[0] != nones[1] or given.assigned:
                     continue
                 given.wrote(op, plain)
             before = [p.detach().clone() for p in model.parameters()]
@@ -1297,6 +1302,7 @@ _REFUSED_WINDOWS = {
     "grad-sums-written-over": ("grad", 3, ["backward", "step", "model.zero_grad(False)"], "written over between"),
     "grad-sum-clipped": ("grad", 3, ["backward", "clip 0.05"], "written in place after this micro-step's backward"),
     "hooks-folded-over-uncleared": ("hooks", None, ["backward", "step", "backward"], "added onto the one the last"),
+    "hooks-grad-dropped-after-backward": ("hooks", None, ["backward", "model.zero_grad"], "set to None after its"),
 }
 
 
@@ -1305,8 +1311,9 @@ def test_a_closed_optimizer_does_not_save_a_window_step_refuses(case):
     """A window that step(), state_dict() and a copy refuse, then close(): the
     closed optimizer's state_dict() and a copy refuse it too, as before the
     close (before 2026-12-07 they saved it, "the window as close() left it",
-    and an optimizer of ours that loaded it stepped on the lost sums,
-    silently)."""
+    and an optimizer of ours that loaded it stepped on the lost sums, or on
+    the sums of gradients torch's .grad had dropped, silently: the last found
+    by the fuzzes' "rebuild closed")."""
     intake, accum_steps, ops, refused = _REFUSED_WINDOWS[case]
     model = _mlp()
     opt = ak.SGD(model.parameters(), **FUSED["SGD"], accum_steps=accum_steps, intake=intake)

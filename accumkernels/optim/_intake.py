@@ -640,9 +640,6 @@ class HookIntake(Intake):
         # param's dtype, a checkpoint's sums) gets the flat buffer, until its step.
         self.lean = self.layout.flat is None
         self._held_unscale = 1.0
-        # close(keep_grads=True)'s _lost_used(), which its markers keep: a
-        # closed window is refused (refuse_lost_used) as it was left.
-        self._lost_at_close: set[int] | None = None
         self._one = torch.ones(1, device=self.layout.device)
         self._armed = None  # what ready_for_backward last armed the inbox for (its key)
         # The last window's opt.clip_grad_norm_() coefficient: torch's clip scales
@@ -1200,7 +1197,7 @@ class HookIntake(Intake):
         return self.window.touched & self.uncleared(self._kept_used())
 
     def refuse_lost_used(self, what: str) -> None:
-        lost = self._lost_used() if self._lost_at_close is None else self._lost_at_close
+        lost = self._lost_used()
         if lost:
             raise RuntimeError(
                 f"{what} with param {min(lost)}'s gradient of this window added onto the one the last step() used, "
@@ -1227,7 +1224,7 @@ class HookIntake(Intake):
         kept, lost = [], set()
         if keep_grads:
             self.flush()
-            lost = self._lost_at_close = self._lost_used()
+            lost = self._lost_used()
             if not self.sync.reduces_buffers:
                 kept = self._kept_grads(lost)
         super().close()

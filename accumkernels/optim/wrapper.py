@@ -201,6 +201,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._loss_scale = LossScale(grad_scaler, self.device)
         self._caller_checked = False  # whether the first step() call looked for a framework calling it
         self._closed = False  # close() gave the params back
+        self._refused_at_close: RuntimeError | None = (
+            None  # the window's refusal close() found (_take_in_refusing_lost)
+        )
         self._lay_out(o)
 
     def _lay_out(self, o, masters: dict[int, torch.Tensor] | None = None) -> None:
@@ -526,6 +529,10 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         HookIntake.close). A closed wrapper saves its state (``state_dict()``)
         and refuses what would use the params."""
         if not self._closed:
+            try:  # (close() itself refuses nothing: its state_dict() and copies will)
+                self._take_in_refusing_lost("close()")
+            except RuntimeError as refusal:
+                self._refused_at_close = refusal
             self._intake.close(keep_grads=True)
             self._closed = True
 
@@ -636,10 +643,13 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         it, the params no longer looked at; a window close() found refused
         stays refused: an optimizer that loaded it would step on it.)"""
         if self._closed:
-            # (its advice to start the window over is for an open one: this one steps no more)
-            what = f"{what} of an optimizer closed with a window that step() refuses (build the next one without it)"
-        else:
-            self._intake.take_in()
+            if self._refused_at_close is not None:  # (its advice is for an open optimizer: this one steps no more)
+                raise RuntimeError(
+                    f"{what} of an optimizer closed with a window that step() refuses (build the next one "
+                    f"without it): {self._refused_at_close}"
+                )
+            return
+        self._intake.take_in()
         self._intake.refuse_lost_used(what)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
