@@ -1549,11 +1549,17 @@ class GradIntake(Intake):
         # at the window's start, .grad may have been cleared in place; or
         # after this micro-step's earlier gradients: an edit (torch's clip),
         # noted now, before this gradient accounts for the version counter.
+        # Not where a param without a hook yet (unfrozen since) may have had
+        # its gradient added into its buffer (.grad) by autograd: that write is
+        # its gradient, which refresh() takes in at step().
         if self.layout.flat._version > self._seen_version + (grad is r.buffer):
+            unhooked_grads = any(u.param.requires_grad for u in self._unhooked)
             if self._between_micro_steps():
-                self._note_overwritten_sums()
+                if not unhooked_grads:
+                    self._note_overwritten_sums()
             elif self.window.grads_since_step:
-                self._note_edited_sums()
+                if not unhooked_grads:
+                    self._note_edited_sums()
             elif self._at_window_start():
                 self._take_cleared(r)
         starts = not self.window.grads_since_step and self._micro_step_starts()  # (once a micro-step: no calls after)
