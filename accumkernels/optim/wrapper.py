@@ -201,9 +201,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._loss_scale = LossScale(grad_scaler, self.device)
         self._caller_checked = False  # whether the first step() call looked for a framework calling it
         self._closed = False  # close() gave the params back
-        self._refused_at_close: RuntimeError | None = (
-            None  # the window's refusal close() found (_take_in_refusing_lost)
-        )
+        # the refusal close() found for the window (_take_in_refusing_lost)
+        self._refused_at_close: RuntimeError | None = None
         self._lay_out(o)
 
     def _lay_out(self, o, masters: dict[int, torch.Tensor] | None = None) -> None:
@@ -526,7 +525,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         copy of the window's sum, in the param's gradient dtype, or a kept
         zero; None where cleared), so an optimizer built next steps on it as
         torch.optim's would (intake "hooks" across ranks or sharded: None,
-        HookIntake.close). A closed wrapper saves its state (``state_dict()``)
+        HookIntake.close). A closed wrapper saves its state (``state_dict()``),
+        but not a window that state_dict() would have refused at the close,
         and refuses what would use the params."""
         if not self._closed:
             try:  # (close() itself refuses nothing: its state_dict() and copies will)
