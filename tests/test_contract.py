@@ -1278,15 +1278,9 @@ def test_hooks_refuses_to_save_a_sum_over_an_uncleared_gradient():
     gen = torch.Generator().manual_seed(3)
     for op in ("backward", "step", "backward"):
         _apply(op, model, opt, gen, [])
-    reads = (
-        lambda: opt.accumulated_grad(params[0]),
-        lambda: opt.clip_grad_norm_(1.0),
-    )  # (they read it, before 2026-12-07)
-    for save in (
-        opt.state_dict,
-        lambda: copy.deepcopy(opt),
-        *reads,
-    ):  # (a copy saved it, before 2026-12-07's last read)
+    # (before 2026-12-07 the two reads returned the overwritten sum, and a copy saved it)
+    reads = (lambda: opt.accumulated_grad(params[0]), lambda: opt.clip_grad_norm_(1.0))
+    for save in (opt.state_dict, lambda: copy.deepcopy(opt), *reads):
         with pytest.raises(RuntimeError, match="added onto the one the last step\\(\\) used"):
             save()
     opt.close()
@@ -2120,37 +2114,18 @@ def test_a_counted_windows_sum_edited_then_given_a_gradient_is_still_refused(edi
     assert opt.micro_steps == 0 and all(map(torch.equal, model.parameters(), before))
 
 
-@pytest.mark.parametrize("edit", ["clip_grad_norm_", "grads.mul_"])
-def test_a_write_before_a_micro_steps_first_gradient_over_no_sum_is_torchs(edit):
+@pytest.mark.parametrize("write", _COUNTED_WRITES)
+def test_a_write_before_a_micro_steps_first_gradient_over_no_sum_is_torchs(write):
     """accum_steps=N, intake "grad": after the window's last step(), .grad
     holds the cleared sums (zeros); a write there in a micro-step without
     a gradient yet, with no sum in the window (torch's loop holds None: a
     write does nothing), then the micro-step's backward: not an edit of the
     sum, and the window trains as torch's loop. (The first fix of the edit
     above took it as one, at step(): found by the counted-window fuzz.)"""
-    runs = []
-    for counted in (True, False):
-        model = _mlp()
-        opt = (
-            ak.SGD(model.parameters(), **FUSED["SGD"], accum_steps=3, intake="grad")
-            if counted
-            else _torch("SGD")(model.parameters())
-        )
-        gen = torch.Generator().manual_seed(1)
-        for window in range(2):
-            if counted and window == 1:
-                opt.step()  # (a micro-step without gradient)
-                _SUM_EDITS[edit](model)
-            for _ in range(3 - window):
-                loss = model(torch.randn(4, 5, generator=gen)).pow(2).mean()
-                (loss if counted else loss / 3).backward()
-                if counted:
-                    opt.step()
-            if not counted:
-                opt.step()
-                opt.zero_grad()
-        runs.append(list(model.parameters()))
-    _assert_fused_close(*runs, steps=2)
+    ops = [*_WINDOW, "step", write, *["backward", "step"] * 2]  # (the second window's first micro-step has no gradient)
+    model, opt, plain = _counted_pair(ops, "grad", "SGD")
+    assert opt.window_stepped and plain.steps == 2
+    _assert_fused_close(list(model.parameters()), list(plain.model.parameters()), steps=2)
 
 
 # What a loop may call after writing into a counted window's sums between two

@@ -374,12 +374,18 @@ class Intake:
         params without a hook are looked at: a param frozen later keeps its
         hook, which never fires, and its bucket is folded at step() instead of
         during backward.)"""
-        if self._unhooked and any(r.param.requires_grad for r in self._unhooked):
+        if self._unhooked_require_grad():
             self.layout.refresh_expected()
             self._expected_changed()
             for r in self._hook_trainable():
                 if r.param.grad is not None and r.param.grad is not r.marker:  # (taken in while frozen)
                     self._take_late(r)
+
+    def _unhooked_require_grad(self) -> bool:
+        """Whether a param without a hook (frozen when the hooks were made)
+        requires grad now: autograd adds its gradients into ``.grad`` before
+        anything here hears of them, until refresh() hooks it at step()."""
+        return any(r.param.requires_grad for r in self._unhooked)
 
     def start_micro_step(self) -> None:
         """A step() call took this micro-step's gradients: count afresh."""
@@ -1543,25 +1549,23 @@ class GradIntake(Intake):
     def _take(self, r: ParamRecord, arg=None) -> None:
         self._check_param(r)
         grad = r.param.grad
-        # Other code wrote into the buffers since the last step() of a counted
-        # window, before its gradients (autograd's add into .grad bumps the
-        # version once): its earlier micro-steps' sums were overwritten, or,
-        # at the window's start, .grad may have been cleared in place; or
-        # after this micro-step's earlier gradients: an edit (torch's clip),
-        # noted now, before this gradient accounts for the version counter.
-        # Not where a param without a hook yet (unfrozen since) may have had
-        # its gradient added into its buffer (.grad) by autograd: that write is
-        # its gradient, which refresh() takes in at step().
+        # Other code wrote into the buffers (autograd's add into .grad bumps
+        # the version once): at a counted window's start, .grad may have been
+        # cleared in place; between its micro-steps, the earlier micro-steps'
+        # sums were overwritten; after this micro-step's earlier gradients, an
+        # edit (torch's clip), noted now, before this gradient accounts for the
+        # version counter. The last two are not told where a param without a
+        # hook may have had its gradient added into its buffer by autograd:
+        # that write is its gradient, which refresh() takes in at step().
         if self.layout.flat._version > self._seen_version + (grad is r.buffer):
-            unhooked_grads = any(u.param.requires_grad for u in self._unhooked)
-            if self._between_micro_steps():
-                if not unhooked_grads:
-                    self._note_overwritten_sums()
-            elif self.window.grads_since_step:
-                if not unhooked_grads:
-                    self._note_edited_sums()
-            elif self._at_window_start():
+            if self._at_window_start():
                 self._take_cleared(r)
+            elif self._unhooked_require_grad():
+                pass
+            elif self._between_micro_steps():
+                self._note_overwritten_sums()
+            elif self.window.grads_since_step:
+                self._note_edited_sums()
         starts = not self.window.grads_since_step and self._micro_step_starts()  # (once a micro-step: no calls after)
         sync = self.sync
         if sync.reduces_buffers and not self._reduction_queued:
