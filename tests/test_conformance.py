@@ -96,16 +96,20 @@ def _build(way, cls, params, kwargs):
     return ak.AccumulatingOptimizer(cls(params, **_kwargs(kwargs)), accum_steps=2)
 
 
-def _train(way, cls, kwargs, *, contiguous=True, groups=None, steps=STEPS, seed=0):
+def _train(way, cls, kwargs, *, contiguous=True, groups=None, steps=STEPS, seed=0, edits=None):
     """``steps`` windows of two micro-batches: torch and the class as torch's
-    accumulation loop (loss / 2 into .grad), the wrapper counting the window.
+    accumulation loop (loss / 2 into .grad), the wrapper counting the window;
+    ``edits`` (a dict) is set on every param group before the second window.
     Returns the params, the optimizer and the window gradients seen."""
     gen = torch.Generator().manual_seed(seed)
     params = _params(contiguous, gen)
     spec = params if groups is None else [dict(params=[p], **g) for p, g in zip(params, groups)]
     opt = _build(way, cls, spec, kwargs)
     grads = []
-    for _ in range(steps):
+    for window in range(steps):
+        if edits and window == 1:
+            for group in opt.param_groups:
+                group.update(edits)
         xs = [torch.randn(5, generator=gen) for _ in range(2)]
         for x in xs:
             if way == "wrapper-accum2":
@@ -170,6 +174,50 @@ def test_param_groups_with_their_own_lr_and_weight_decay(cls, kwargs, way):
     plain, plain_opt, grads = _train("torch", cls, kwargs, groups=groups)
     ours, ours_opt, _ = _train(way, cls, kwargs, groups=groups)
     assert_same_steps(ours, plain, plain_opt, ours_opt, grads, _lrs(kwargs, groups))
+
+
+# Hyperparameters torch.optim's steps read from the param group at every
+# step, set by hand between windows (as a schedule or a user does).
+GROUP_EDITS = {
+    torch.optim.SGD: [
+        dict(momentum=0.5),
+        dict(dampening=0.3),
+        dict(nesterov=True, momentum=0.9),
+        dict(weight_decay=0.2),
+        dict(maximize=True),
+    ],
+    torch.optim.Adam: [
+        dict(betas=(0.5, 0.9)),
+        dict(eps=1e-2),
+        dict(weight_decay=0.2),
+        dict(decoupled_weight_decay=True, weight_decay=0.2),
+        dict(maximize=True),
+    ],
+    torch.optim.AdamW: [
+        dict(betas=(0.5, 0.9)),
+        dict(eps=1e-2),
+        dict(weight_decay=0.2),
+        dict(decoupled_weight_decay=False, weight_decay=0.2),
+        dict(maximize=True),
+    ],
+}
+
+
+@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize(
+    "cls,edits",
+    [(cls, e) for cls, edits in GROUP_EDITS.items() for e in edits],
+    ids=lambda v: v.__name__ if isinstance(v, type) else "-".join(f"{k}={v[k]}" for k in v),
+)
+def test_group_hyperparameters_set_between_windows_step_as_torch(cls, edits, way):
+    """A param group's key set by hand takes effect at the next step, as in
+    torch.optim: decoupled_weight_decay too, which torch's Adam and AdamW
+    both read from the group (an AdamW group set to False decays as Adam's
+    L2; before 2026-12-07 ours kept AdamW's decay, 1.5e-2 off)."""
+    kwargs = dict(lr=0.01, momentum=0.9) if cls is torch.optim.SGD else dict(lr=0.01, weight_decay=0.05)
+    plain, plain_opt, grads = _train("torch", cls, kwargs, edits=edits)
+    ours, ours_opt, _ = _train(way, cls, kwargs, edits=edits)
+    assert_same_steps(ours, plain, plain_opt, ours_opt, grads, _lrs(kwargs, None))
 
 
 @pytest.mark.parametrize("way", WAYS)

@@ -389,7 +389,8 @@ class Updater:
             _write_back(views, stepped)
 
     def _adam(self, group, subset, grad_scale, found_inf, seed, zero_buffers) -> None:
-        adamw = self.kind == "adamw" or group.get("decoupled_weight_decay", False)
+        # (torch.optim.Adam's step reads the group's key, which AdamW's groups hold as True)
+        adamw = group.get("decoupled_weight_decay", self.kind == "adamw")
         amsgrad = group["amsgrad"]
         steps = []
         for r in subset:
