@@ -1744,6 +1744,47 @@ def test_model_to_after_wrapping(backend, change):
         assert opt.window_stepped
 
 
+@pytest.mark.parametrize("accum_steps", [None, 2])
+@pytest.mark.parametrize(
+    "before,after",
+    [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16)],
+    ids=["bf16-fp32", "fp32-bf16", "bf16-fp16"],
+)
+def test_model_to_after_a_windows_last_gradient(backend, before, after, accum_steps):
+    """Intake "grad", model.to() after the window's last backward, before its
+    step(): the step is refused, before a param is written (before
+    2026-12-07 the step went on from bf16, on params and state of another
+    dtype, and from fp32 to bf16 failed in torch, giving the fp32 buffer
+    back as .grad); close() lets the params go (it failed alike), leaving .grad as torch's conversion made it (the
+    window's gradient in the new dtype) and the new dtype's grad_dtype; a new
+    optimizer trains the converted model."""
+    model = mlp().to(before)
+    opt = ak.AdamW(model.parameters(), lr=1e-2, intake="grad", accum_steps=accum_steps, backend=backend)
+    x, y = data(8)
+    for _ in range(accum_steps or 1):
+        F.mse_loss(model(x.to(before)).float(), y).backward()
+        if accum_steps is not None and opt.micro_steps + 1 < accum_steps:
+            opt.step()
+    window = [opt.accumulated_grad(p) for p in model.parameters()]
+    model.to(after)
+    converted = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"model.to\(\) after wrapping.*opt.close\(\)"):
+        opt.step()
+    assert all(map(torch.equal, model.parameters(), converted))
+    opt.close()
+    for p, grad in zip(model.parameters(), window):
+        assert p.grad.dtype == p.grad_dtype == after
+        normalized = p.grad.float() / (accum_steps or 1)
+        torch.testing.assert_close(normalized, grad.to(after).float(), rtol=0, atol=0)
+    torch.optim.AdamW(model.parameters(), lr=1e-2).step()  # (the .grad torch.optim would hold)
+    model.zero_grad()
+    converted = [p.detach().clone() for p in model.parameters()]
+    opt = ak.AdamW(model.parameters(), lr=1e-2, intake="grad", backend=backend)
+    F.mse_loss(model(x.to(after)).float(), y).backward()
+    opt.step()
+    assert not all(map(torch.equal, model.parameters(), converted))
+
+
 @pytest.mark.parametrize("intake", ak.AccumulatingOptimizer.INTAKES)
 def test_another_layout_after_wrapping_is_refused_by_name(backend, intake):
     """model.to(memory_format=torch.channels_last) after wrapping (torch.optim

@@ -462,19 +462,30 @@ class Intake:
         return self.accum_steps is None or self.window.micro_steps + 1 >= self.accum_steps
 
     @staticmethod
-    def _check_param(r: ParamRecord) -> None:
+    def _converted(r: ParamRecord) -> bool:
+        """The param's dtype or device is no longer the one it was wrapped with."""
+        return r.param.dtype is not r.dtype or r.param.device != r.device
+
+    @classmethod
+    def _check_param(cls, r: ParamRecord) -> None:
         """The param is as it was wrapped: its buffer, master weights and state
         dtype were chosen for that dtype and device (``model.to(...)`` after
         wrapping would step it with stale ones)."""
         param = r.param
-        if param.dtype is not r.dtype or param.device != r.device:
+        if cls._converted(r):
             raise RuntimeError(
                 f"param {r.index} was {r.dtype} on {r.device} when AccumulatingOptimizer was built and is now "
                 f"{param.dtype} on {param.device} (model.to() after wrapping): convert or move the model first, "
-                "then build the optimizer and the wrapper"
+                "then build the optimizer and the wrapper (call opt.close() on this one first)"
             )
         if param.stride() != r.stride:
             raise RuntimeError(r.relaid())
+
+    def check_params(self) -> None:
+        """Before a window's step: every param as it was wrapped (_check_param),
+        converted since its last gradient too (``model.to()`` before step())."""
+        for r in self.layout:
+            self._check_param(r)
 
     @staticmethod
     def _check_shape(r: ParamRecord, grad: torch.Tensor) -> None:
@@ -1654,6 +1665,7 @@ class GradIntake(Intake):
     def _reattach(self, r: ParamRecord) -> None:
         """``r.buffer`` (still ``.grad``) was moved out of the flat buffer: its
         values go back into a new view, which becomes ``.grad`` again."""
+        self._check_param(r)  # (model.to() moves the views out too, converted)
         detached = r.buffer
         r.buffer = self.layout.view(r)
         r.buffer.copy_(detached)
@@ -2101,8 +2113,13 @@ class GradIntake(Intake):
         torch requires of it from then on. With ``keep_grads`` (the wrapper's
         close()), a param whose ``.grad`` torch.optim would hold as a tensor
         keeps a copy of its buffer there (the gradient the user saw, converted
-        alike), as after torch.optim's optimizer is dropped; the others get None."""
-        if keep_grads:
+        alike), as after torch.optim's optimizer is dropped; the others get None.
+        A param converted since it was wrapped (``model.to()`` after wrapping,
+        which the step refuses) keeps what torch's conversion made of its
+        ``.grad`` (the window's sum in its new dtype) and its new dtype's
+        grad_dtype: nothing is taken in, so that close() still lets it go."""
+        converted = {r.index for r in self.layout if self._converted(r)}
+        if keep_grads and not converted:
             self.flush()  # (what was written into .grad or assigned since counts)
         super().close()
         if self.sync.reduces_buffers:
@@ -2112,7 +2129,8 @@ class GradIntake(Intake):
                 r.param.grad = r.buffer.clone() if keep_grads and self._holds_grad(r.index) else None
             if r.index in self._grad_dtypes:
                 grad, r.param.grad = r.param.grad, None
-                dtype = r.param.grad_dtype = self._grad_dtypes[r.index]
+                dtype = self._grad_dtypes[r.index] if r.index not in converted else r.param.dtype
+                r.param.grad_dtype = dtype
                 if grad is not None:
                     r.param.grad = grad.to(r.param.dtype if dtype is None else dtype)
 

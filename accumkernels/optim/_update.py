@@ -230,10 +230,6 @@ class Updater:
         The intake says whether the buffers must be cleared and sets ``.grad``
         for the fallback."""
         zero_buffers = intake.zero_buffers_at_step
-        for r in records:
-            relaid = r.relaid()
-            if relaid:
-                raise RuntimeError(relaid)
         self.follow_params(records)
         if self.kind == "fallback":
             self._fallback(records, grad_scale, found_inf, intake)

@@ -436,6 +436,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         window = self._window
         ends_window = self.accum_steps is None or window.micro_steps + 1 >= self.accum_steps
         self._check_param_groups(every_param=ends_window)
+        if ends_window:
+            self._intake.check_params()
         self._refuse_several_backwards()
         if window.unzeroed:
             self._refuse_uncleared_grads()
