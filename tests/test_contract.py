@@ -464,6 +464,41 @@ GIVES_GRAD = (
     "noise",
     "add g",
 )
+# The clears that drop .grad (torch.optim's leave a reference kept to it as it was).
+DROPPING_CLEARS = ["optimizer.zero_grad()", "model.zero_grad()", "p.grad = None"]
+
+
+@pytest.mark.parametrize("clear", DROPPING_CLEARS)
+@pytest.mark.parametrize("name", list(FUSED))
+def test_a_reference_kept_to_grad_keeps_its_values_through_a_clear(name, clear):
+    """Intake "grad", accum_steps=None: a loop keeps the .grad tensors of one
+    window (to log or compare them with the next window's), clears, and
+    trains on. torch.optim's clear drops those tensors, which keep their
+    values; ours were views of the buffers, which the clear zeroed and the
+    next window added into (before 2026-12-07: the kept gradient read as the
+    next window's, silently). Now each keeps its values, edits of it are no
+    writes into the buffers, and training is torch's."""
+    runs = []
+    for make in (lambda ps: getattr(ak, name)(ps, **FUSED[name], intake="grad"), _torch(name)):
+        model, gen = _mlp(), torch.Generator().manual_seed(1)
+        opt, kept, values = make(model.parameters()), [], []
+        for _ in range(3):
+            model(torch.randn(4, 5, generator=gen)).pow(2).mean().backward()
+            kept.append([p.grad for p in model.parameters()])
+            values.append([g.clone() for g in kept[-1]])
+            opt.step()
+            CLEARS[clear](model, opt)
+            kept[-1][0].mul_(2)  # (a loop's own use of the tensor it kept)
+            values[-1][0].mul_(2)
+        for held, was in zip(kept, values):
+            assert all(map(torch.equal, held, was))
+        runs.append((list(model.parameters()), values))
+    (ours, our_grads), (plain, plain_grads) = runs
+    _assert_fused_close(ours, plain, steps=3)
+    for window, (a, b) in enumerate(zip(our_grads, plain_grads)):
+        _assert_fused_close(a, b, steps=window + 1)
+
+
 CLEARS_IN_PLACE = ("zero_grad(False)", "model.zero_grad(False)", "p0.zero_()", "data.zero_()")
 
 

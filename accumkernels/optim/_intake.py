@@ -59,6 +59,7 @@ tensor again (the buffers are the wrapper's own, checked when made).
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 
 import torch
@@ -1598,6 +1599,7 @@ class GradIntake(Intake):
             if starts and r.index in self.window.touched:
                 r.buffer.add_(grad)
             else:
+                self._let_go_of_held(r)
                 _copy_into(r.buffer, grad)
                 self.arrivals[r.index] = 1  # (this micro-step's earlier gradients were dropped with .grad)
             r.param.grad = r.buffer
@@ -1739,6 +1741,7 @@ class GradIntake(Intake):
                 pass  # harmless
             elif grad is None:
                 if r.index in self.window.touched or r.index in self._used:  # dropped: its sum is discarded
+                    self._let_go_of_held(r)
                     r.buffer.zero_()
                     self.window.touched.discard(r.index)
                     self._used.discard(r.index)
@@ -1749,6 +1752,7 @@ class GradIntake(Intake):
                 if kept:
                     r.buffer.add_(grad)  # a gradient too
                 else:
+                    self._let_go_of_held(r)
                     _copy_into(r.buffer, grad)
                     self.arrivals.pop(r.index, None)
                 if assigned_is_taken_in:
@@ -2049,6 +2053,10 @@ class GradIntake(Intake):
         # edited; a clear before that is the harmless one between two step()
         # calls, and the window stays refused: its sums are still lost).
         discard = self.window.grads_since_step or (self._lost_sums is not None and self._lost_sums_told)
+        if set_to_none and self.one_process:
+            for r in self.layout.records:
+                if discard or r.index not in self.window.touched:  # (.grad becomes None below)
+                    self._let_go_of_held(r)
         if discard or self._used:
             self.layout.zero_all()
             self._used.clear()
@@ -2068,6 +2076,30 @@ class GradIntake(Intake):
             for r in records:
                 if r.param.grad is r.buffer and r.index not in self.window.touched:
                     r.param.grad = None
+
+    def _let_go_of_held(self, r: ParamRecord) -> None:
+        """``.grad`` was dropped (set to None, or replaced) and its buffer is
+        about to be cleared or overwritten. torch.optim's clear drops the
+        tensor, so a reference other code kept to ``.grad`` (a gradient logged
+        or compared after the next window) keeps its values; here ``.grad`` was
+        the buffer's view, which the clear zeroes and the next window adds
+        into. Where such a reference is held (Python references to the view
+        beyond the record's and ``.grad``'s), it gets a tensor of its own
+        holding its values (swapped in: its own version counter too, so its
+        edits are no writes into the buffers; where its TensorImpl is held
+        beyond Python, as by an autograd graph that saved it, its data only),
+        and the record a new view. (A view of ``.grad`` made by other code,
+        such as ``p.grad.flatten()``, is not seen: docs/optimizers.md.)"""
+        held = r.buffer
+        if not self.one_process or sys.getrefcount(held) <= 3 + (r.param.grad is held):
+            return  # (across ranks .grad stays the buffer; the three: the record's, the call's, this frame's)
+        if r.param.grad is held:
+            r.param.grad = None
+        r.buffer, own = self.layout.view(r), held.detach().clone()
+        try:
+            torch.utils.swap_tensors(held, own)  # (its version counter too: edits of it are no writes here)
+        except RuntimeError:
+            held.data = own
 
     def set_grad(self, r: ParamRecord, grad: torch.Tensor | None) -> None:
         """Set ``.grad`` to a tensor of the param's own dtype (the fallback
