@@ -1785,6 +1785,32 @@ def test_model_to_after_a_windows_last_gradient(backend, before, after, accum_st
     assert not all(map(torch.equal, model.parameters(), converted))
 
 
+@pytest.mark.parametrize("accum_steps", [None, 2])
+def test_a_gradient_penalty_through_grad_is_refused_by_name(backend, accum_steps):
+    """backward(create_graph=True) makes torch's .grad part of the graph, and a
+    gradient penalty computed from it trains the params through it. Intake
+    "grad"'s .grad is the fp32 buffer, which carries no graph, so such a
+    penalty cannot reach the step (before 2026-12-07 the penalty's backward
+    failed in autograd, on an in-place write, naming no way out). Refused
+    in the backward with create_graph=True, naming
+    torch.autograd.grad, before a param is written; intake "hooks" refuses
+    the penalty's read of .grad by name."""
+    for intake in ak.AccumulatingOptimizer.INTAKES:
+        model = mlp()
+        opt = ak.AdamW(model.parameters(), lr=1e-2, intake=intake, accum_steps=accum_steps, backend=backend)
+        x, y = data(8)
+        before = [p.detach().clone() for p in model.parameters()]
+        if intake == "grad":
+            with pytest.raises(RuntimeError, match=r"create_graph=True.*torch.autograd.grad"):
+                F.mse_loss(model(x), y).backward(create_graph=True)
+        else:
+            F.mse_loss(model(x), y).backward(create_graph=True)
+            with pytest.raises(RuntimeError, match="holds no values"):
+                sum(p.grad.pow(2).sum() for p in model.parameters())
+        assert all(map(torch.equal, model.parameters(), before))
+        opt.close()
+
+
 @pytest.mark.parametrize("intake", ak.AccumulatingOptimizer.INTAKES)
 def test_another_layout_after_wrapping_is_refused_by_name(backend, intake):
     """model.to(memory_format=torch.channels_last) after wrapping (torch.optim

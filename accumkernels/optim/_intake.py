@@ -269,6 +269,20 @@ def _refuse_clearing_taken_in(index: int | None, how: str = "") -> None:
     )
 
 
+def _refuse_gradient_with_a_graph(index: int) -> None:
+    """``backward(create_graph=True)``: torch's ``.grad`` is then a tensor of
+    the graph (autograd adds out of place), which a gradient penalty through
+    ``.grad`` differentiates; the fp32 buffer cannot carry a graph (the
+    penalty's backward failed in autograd, on the buffer's in-place writes).
+    Refused in the backward, before the gradient is taken in."""
+    raise RuntimeError(
+        f"param {index} got a gradient that is part of a graph (backward(create_graph=True)): with intake='grad' "
+        ".grad is the param's fp32 buffer, which cannot carry a graph, so a penalty computed from .grad would "
+        "add nothing to the step. Compute the penalty's gradients with torch.autograd.grad(loss, params, "
+        "create_graph=True) and call backward() without create_graph, or use torch.optim's optimizer"
+    )
+
+
 def _how_cleared(grad: torch.Tensor | None) -> str:
     return "set to None" if grad is None else "replaced"
 
@@ -1561,6 +1575,8 @@ class GradIntake(Intake):
     def _take(self, r: ParamRecord, arg=None) -> None:
         self._check_param(r)
         grad = r.param.grad
+        if grad is not None and grad.requires_grad:
+            _refuse_gradient_with_a_graph(r.index)
         # Other code wrote into the buffers (autograd's add into .grad bumps
         # the version once): at a counted window's start, .grad may have been
         # cleared in place; between its micro-steps, the earlier micro-steps'
