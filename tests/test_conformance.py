@@ -178,6 +178,7 @@ def test_param_groups_with_their_own_lr_and_weight_decay(cls, kwargs, way):
 
 # Hyperparameters torch.optim's steps read from the param group at every
 # step, set by hand between windows (as a schedule or a user does).
+_ADAM_EDITS = [dict(betas=(0.5, 0.9)), dict(eps=1e-2), dict(weight_decay=0.2), dict(maximize=True)]
 GROUP_EDITS = {
     torch.optim.SGD: [
         dict(momentum=0.5),
@@ -186,20 +187,9 @@ GROUP_EDITS = {
         dict(weight_decay=0.2),
         dict(maximize=True),
     ],
-    torch.optim.Adam: [
-        dict(betas=(0.5, 0.9)),
-        dict(eps=1e-2),
-        dict(weight_decay=0.2),
-        dict(decoupled_weight_decay=True, weight_decay=0.2),
-        dict(maximize=True),
-    ],
-    torch.optim.AdamW: [
-        dict(betas=(0.5, 0.9)),
-        dict(eps=1e-2),
-        dict(weight_decay=0.2),
-        dict(decoupled_weight_decay=False, weight_decay=0.2),
-        dict(maximize=True),
-    ],
+    # (each switched to the other's decay: torch's Adam step reads the key from the group)
+    torch.optim.Adam: [*_ADAM_EDITS, dict(decoupled_weight_decay=True, weight_decay=0.2)],
+    torch.optim.AdamW: [*_ADAM_EDITS, dict(decoupled_weight_decay=False, weight_decay=0.2)],
 }
 
 
