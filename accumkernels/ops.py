@@ -240,6 +240,31 @@ def _check_momentum_buffers(op, momentum_buffers, momentum_buffer_scales, params
         )
 
 
+def check_sgd_hyperparameters(op: str, lr, momentum, dampening, weight_decay, nesterov) -> tuple[float, ...]:
+    """sgd_step_and_zero_'s hyperparameters, checked (the bounds torch.optim.SGD's
+    constructor sets): (lr, momentum, dampening, weight_decay) as floats."""
+    lr = checks.check_number(op, lr, "lr", low=0.0)
+    momentum = checks.check_number(op, momentum, "momentum", low=0.0)
+    dampening = checks.check_number(op, dampening, "dampening")
+    weight_decay = checks.check_number(op, weight_decay, "weight_decay", low=0.0)
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError(f"{op}: nesterov requires momentum > 0 and dampening == 0")
+    return lr, momentum, dampening, weight_decay
+
+
+def check_adam_hyperparameters(op: str, lr, betas, eps, weight_decay) -> tuple[float, ...]:
+    """adam(w)_step_and_zero_'s hyperparameters, checked (the bounds torch.optim.Adam's
+    constructor sets): (lr, beta1, beta2, eps, weight_decay) as floats."""
+    lr = checks.check_number(op, lr, "lr", low=0.0)
+    if not isinstance(betas, Sequence) or len(betas) != 2:
+        raise TypeError(f"{op}: betas must be a pair (beta1, beta2); got {betas!r}")
+    beta1 = checks.check_number(op, betas[0], "betas[0]", low=0.0, high=1.0, high_inclusive=False)
+    beta2 = checks.check_number(op, betas[1], "betas[1]", low=0.0, high=1.0, high_inclusive=False)
+    eps = checks.check_number(op, eps, "eps", low=0.0)
+    weight_decay = checks.check_number(op, weight_decay, "weight_decay", low=0.0)
+    return lr, beta1, beta2, eps, weight_decay
+
+
 def sgd_step_and_zero_(
     params: Tensors,
     buffers: Tensors,
@@ -328,12 +353,9 @@ def sgd_step_and_zero_(
         momentum_buffer_scales = checks.as_tensor_list(
             op, momentum_buffer_scales, "momentum_buffer_scales", optional=True
         )
-    lr = checks.check_number(op, lr, "lr", low=0.0)
-    momentum = checks.check_number(op, momentum, "momentum", low=0.0)
-    dampening = checks.check_number(op, dampening, "dampening")
-    weight_decay = checks.check_number(op, weight_decay, "weight_decay", low=0.0)
-    if nesterov and (momentum <= 0 or dampening != 0):
-        raise ValueError(f"{op}: nesterov requires momentum > 0 and dampening == 0")
+    lr, momentum, dampening, weight_decay = check_sgd_hyperparameters(
+        op, lr, momentum, dampening, weight_decay, nesterov
+    )
     args = _step_arguments(
         op,
         params,
@@ -511,13 +533,7 @@ def _adam_family(name: str, adamw: bool, default_weight_decay: float, decay: str
             max_exp_avg_sqs = checks.as_tensor_list(op, max_exp_avg_sqs, "max_exp_avg_sqs", optional=True)
             exp_avg_scales = checks.as_tensor_list(op, exp_avg_scales, "exp_avg_scales", optional=True)
             exp_avg_sq_scales = checks.as_tensor_list(op, exp_avg_sq_scales, "exp_avg_sq_scales", optional=True)
-        lr = checks.check_number(op, lr, "lr", low=0.0)
-        if not isinstance(betas, Sequence) or len(betas) != 2:
-            raise TypeError(f"{op}: betas must be a pair (beta1, beta2); got {betas!r}")
-        beta1 = checks.check_number(op, betas[0], "betas[0]", low=0.0, high=1.0, high_inclusive=False)
-        beta2 = checks.check_number(op, betas[1], "betas[1]", low=0.0, high=1.0, high_inclusive=False)
-        eps = checks.check_number(op, eps, "eps", low=0.0)
-        weight_decay = checks.check_number(op, weight_decay, "weight_decay", low=0.0)
+        lr, beta1, beta2, eps, weight_decay = check_adam_hyperparameters(op, lr, betas, eps, weight_decay)
         args = _step_arguments(
             op,
             params,

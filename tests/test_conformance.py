@@ -210,6 +210,48 @@ def test_group_hyperparameters_set_between_windows_step_as_torch(cls, edits, way
     assert_same_steps(ours, plain, plain_opt, ours_opt, grads, _lrs(kwargs, None))
 
 
+# Values torch.optim's constructors refuse, set on a group later (torch steps with them).
+OUT_OF_BOUNDS = {
+    torch.optim.SGD: [dict(lr=-0.01), dict(weight_decay=-0.1), dict(momentum=-0.5), dict(nesterov=True, momentum=0.0)],
+    torch.optim.AdamW: [dict(lr=-0.01), dict(weight_decay=-0.1), dict(betas=(1.0, 0.999)), dict(eps=-1e-8)],
+}
+
+
+@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize(
+    "cls,edits",
+    [(cls, e) for cls, edits in OUT_OF_BOUNDS.items() for e in edits],
+    ids=lambda v: v.__name__ if isinstance(v, type) else "-".join(f"{k}={v[k]}" for k in v),
+)
+def test_a_group_set_out_of_bounds_is_refused_before_any_group_steps(cls, edits, way):
+    """The second of two param groups set to a value the fused step refuses:
+    the window's step() refuses it by name before any group is stepped or
+    any state made (before 2026-12-07 the kernel refused it after stepping
+    the first group, and the step() called again once it was set back
+    stepped the first group twice); set back, the window steps as torch's."""
+    kwargs = dict(lr=0.01, momentum=0.9) if cls is torch.optim.SGD else dict(lr=0.01)
+    params = _params(True, torch.Generator().manual_seed(0))
+    plain = [p.detach().clone().requires_grad_() for p in params]
+    opt = _build(way, cls, [dict(params=[p]) for p in params], kwargs)
+    plain_opt = _build("torch", cls, [dict(params=[p]) for p in plain], kwargs)
+    x = torch.randn(5, generator=torch.Generator().manual_seed(1))
+    for _ in range(2 if way == "wrapper-accum2" else 1):
+        _loss(params, x).backward()
+        if way == "wrapper-accum2" and opt.micro_steps == 0:
+            opt.step()
+    _loss(plain, x).backward()  # (the wrapper's mean of two equal micro-batches is this gradient)
+    before = [p.detach().clone() for p in params]
+    kept = {key: opt.param_groups[1][key] for key in edits}
+    opt.param_groups[1].update(edits)
+    with pytest.raises((ValueError, TypeError), match=r"param group 1: .*nothing was stepped"):
+        opt.step()
+    assert all(map(torch.equal, params, before)) and not opt.state
+    opt.param_groups[1].update(kept)
+    opt.step()
+    plain_opt.step()
+    assert_same_steps(params, plain, plain_opt, opt, [[p.grad for p in plain]], _lrs(kwargs, None))
+
+
 @pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("cls,kwargs", INPUTS)
 def test_goes_the_right_direction(cls, kwargs, way):

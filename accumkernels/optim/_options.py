@@ -10,11 +10,12 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from .. import ops
 from .._validation import is_dense
 from . import _ddp, _fsdp, _pipeline
 from ._intake import INTAKES, default_intake
 from ._layout import collect_params
-from ._update import MASTER_WEIGHTS, STATE_DTYPES, optimizer_kind
+from ._update import MASTER_WEIGHTS, STATE_DTYPES, _number, optimizer_kind
 from ._window import NORMALIZE
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -183,17 +184,44 @@ def check_groups(optimizer, state_dtype, param_groups: list[dict] | None = None,
     optimizer runs its own step. Checked on the groups when built, on a
     checkpoint's before it is loaded, and again at every window's step (a flag
     set in between), before anything is written or stepped."""
-    if optimizer_kind(optimizer) == "fallback":
+    kind = optimizer_kind(optimizer)
+    if kind == "fallback":
         return
     for i, group in enumerate(optimizer.param_groups if param_groups is None else param_groups):
         if group.get("differentiable"):
             raise ValueError(f"{whose}param group {i} has {NOT_DIFFERENTIABLE}")
+        _check_hyperparameters(kind, group, f"{whose}param group {i}")
         if state_dtype == "8bit" and group.get("amsgrad"):
             raise ValueError(
                 f"state_dtype='8bit' does not support amsgrad=True (its max_exp_avg_sq would need a code too): "
                 f"{whose}param group {i} has it; set it to False, or build the optimizer with "
                 "state_dtype=torch.bfloat16"
             )
+
+
+def _check_hyperparameters(kind: str, group: dict, where: str) -> None:
+    """The group's hyperparameters within the fused step's bounds (those
+    torch.optim's constructor sets, which torch does not check again when a
+    group is edited later): checked for every group before a window's step,
+    so that no group is stepped where a later one would be refused."""
+    try:
+        if kind == "sgd":
+            ops.check_sgd_hyperparameters(
+                where,
+                _number(group["lr"]),
+                group["momentum"],
+                group["dampening"],
+                group["weight_decay"],
+                group["nesterov"],
+            )
+        else:
+            betas = tuple(_number(b) for b in group["betas"])
+            ops.check_adam_hyperparameters(where, _number(group["lr"]), betas, group["eps"], group["weight_decay"])
+    except (TypeError, ValueError) as error:
+        raise type(error)(
+            f"{error}: the fused step takes only the values torch.optim's constructor accepts (nothing was "
+            "stepped or loaded: set it to one, then call again)"
+        ) from None
 
 
 def _data_parallel_group(stages, process_group, initialized):
