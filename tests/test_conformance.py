@@ -176,6 +176,16 @@ def test_param_groups_with_their_own_lr_and_weight_decay(cls, kwargs, way):
     assert_same_steps(ours, plain, plain_opt, ours_opt, grads, _lrs(kwargs, groups))
 
 
+def _each_edit(edits_by_class: dict):
+    """Parametrizes (cls, edits) over a dict of each class's group edits."""
+    cases = [
+        pytest.param(cls, e, id=f"{cls.__name__}-" + "-".join(f"{k}={v}" for k, v in e.items()))
+        for cls, edits in edits_by_class.items()
+        for e in edits
+    ]
+    return pytest.mark.parametrize("cls,edits", cases)
+
+
 # Hyperparameters torch.optim's steps read from the param group at every
 # step, set by hand between windows (as a schedule or a user does).
 _ADAM_EDITS = [dict(betas=(0.5, 0.9)), dict(eps=1e-2), dict(weight_decay=0.2), dict(maximize=True)]
@@ -194,11 +204,7 @@ GROUP_EDITS = {
 
 
 @pytest.mark.parametrize("way", WAYS)
-@pytest.mark.parametrize(
-    "cls,edits",
-    [(cls, e) for cls, edits in GROUP_EDITS.items() for e in edits],
-    ids=lambda v: v.__name__ if isinstance(v, type) else "-".join(f"{k}={v[k]}" for k in v),
-)
+@_each_edit(GROUP_EDITS)
 def test_group_hyperparameters_set_between_windows_step_as_torch(cls, edits, way):
     """A param group's key set by hand takes effect at the next step, as in
     torch.optim: decoupled_weight_decay too, which torch's Adam and AdamW
@@ -218,11 +224,7 @@ OUT_OF_BOUNDS = {
 
 
 @pytest.mark.parametrize("way", WAYS)
-@pytest.mark.parametrize(
-    "cls,edits",
-    [(cls, e) for cls, edits in OUT_OF_BOUNDS.items() for e in edits],
-    ids=lambda v: v.__name__ if isinstance(v, type) else "-".join(f"{k}={v[k]}" for k in v),
-)
+@_each_edit(OUT_OF_BOUNDS)
 def test_a_group_set_out_of_bounds_is_refused_before_any_group_steps(cls, edits, way):
     """The second of two param groups set to a value the fused step refuses:
     the window's step() refuses it by name before any group is stepped or
