@@ -89,17 +89,14 @@ class ParamRecord:
     contiguous: bool = True  # its buffer view is contiguous (intake "hooks" reads it per gradient)
     buffer_stride: tuple[int, ...] = ()  # its buffer view's strides
 
-    def relaid(self) -> str | None:
-        """Where the param is no longer laid out as when wrapped (its buffer,
-        state and master weights are laid out like it was), the refusal; else None."""
-        stride = self.param.stride()
-        if stride == self.stride:
-            return None
+    def relaid(self) -> str:
+        """The refusal of a param no longer laid out as when wrapped (its
+        strides differ: its buffer, state and master weights are laid out like it was)."""
         return (
-            f"param {self.index} has strides {stride} and had {self.stride} when AccumulatingOptimizer was built "
-            "(model.to(memory_format=...), or p.data = a tensor laid out otherwise, after wrapping): its buffer, "
-            "state and master weights are laid out as it was. Convert the model first, then build the optimizer "
-            "and the wrapper (or call opt.close() first)"
+            f"param {self.index} has strides {self.param.stride()} and had {self.stride} when "
+            "AccumulatingOptimizer was built (model.to(memory_format=...), or p.data = a tensor laid out "
+            "otherwise, after wrapping): its buffer, state and master weights are laid out as it was. Convert the "
+            "model first, then build the optimizer and the wrapper (or call opt.close() first)"
         )
 
     @property
