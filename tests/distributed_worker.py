@@ -469,6 +469,39 @@ def ddp_comm_hook(cfg, rank, world):
     return {"errors": errors, "untouched": untouched}
 
 
+def zero_redundancy(cfg, rank, world):
+    """torch's ZeroRedundancyOptimizer given accumkernels' class: refused at
+    its construction on every rank, naming sharded=True, and for the wrapper
+    built by a factory; the params are free after it (sharded=True builds
+    and steps over them). Two layers that start equal: each rank's share
+    (one layer) has the same shapes and values as its peer's, which the
+    replica checks pass."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    torch.manual_seed(1234)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    model[1].load_state_dict(model[0].state_dict())
+    factories = {
+        "class-grad": (ak.AdamW, dict(intake="grad")),
+        "class-hooks": (ak.AdamW, dict(intake="hooks")),
+        "wrapper": (lambda params, **kw: ak.AccumulatingOptimizer(torch.optim.SGD(params, **kw), accum_steps=2), {}),
+    }
+    errors = {}
+    for name, (factory, kwargs) in factories.items():
+        try:
+            ZeroRedundancyOptimizer(model.parameters(), optimizer_class=factory, lr=0.01, **kwargs)
+            errors[name] = None
+        except (ValueError, RuntimeError) as e:  # (RuntimeError: the params still held by an earlier one)
+            errors[name] = str(e)
+    opt = ak.AdamW(model.parameters(), lr=0.01, sharded=True, accum_steps=1)
+    before = params_of(model)
+    model(torch.randn(4, 8)).square().mean().backward()
+    opt.step()
+    stepped = not any(map(torch.equal, params_of(model), before))
+    opt.close()
+    return {"errors": errors, "sharded_steps": stepped}
+
+
 def dcp(cfg, rank, world):
     """torch.distributed.checkpoint's get/set_optimizer_state_dict at a window
     boundary: in all-reduce mode (bf16 params, fp32 masters) a fresh wrapper
@@ -536,6 +569,7 @@ SCENARIOS = {
     "framework_loop": framework_loop,
     "misuse": misuse,
     "dcp": dcp,
+    "zero_redundancy": zero_redundancy,
     "ddp_join": ddp_join,
     "ddp_comm_hook": ddp_comm_hook,
     "add_group": add_group,

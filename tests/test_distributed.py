@@ -73,6 +73,7 @@ CASES_2 = {
     "dcp": dict(scenario="dcp", optimizer="adamw"),
     "ddp-join": dict(scenario="ddp_join", optimizer="sgd"),
     "ddp-comm-hook": dict(scenario="ddp_comm_hook", optimizer="sgd"),
+    "zero-redundancy": dict(scenario="zero_redundancy", optimizer="adamw"),
     "add-group": dict(scenario="add_group", optimizer="adamw"),
     "modes-agree": dict(scenario="modes_agree", optimizer="adamw"),
 }
@@ -289,6 +290,22 @@ def test_ddp_join_is_refused_on_every_rank(runs):
     for r in runs[2]:
         for order, error in r["ddp-join"].items():
             assert error is not None and "DistributedDataParallel.join()" in error, (order, error)
+
+
+def test_torchs_zero_redundancy_optimizer_is_refused_naming_sharded(runs):
+    """ZeroRedundancyOptimizer(optimizer_class=accumkernels.AdamW) builds the
+    optimizer over each rank's share of the params: refused at its
+    construction on every rank, naming sharded=True. Before, where the ranks'
+    shares held the same shapes and values (two layers that start equal), it
+    was built and summed the gradients of different layers: 0.11 off
+    torch.optim.AdamW under ZeroRedundancyOptimizer after 6 steps, silently
+    (other shares were refused by the replica checks, naming pipeline stages)."""
+    for r in runs[2]:
+        result = r["zero-redundancy"]
+        assert len(result["errors"]) == 3
+        for case, error in result["errors"].items():
+            assert error is not None and "ZeroRedundancyOptimizer" in error and "sharded=True" in error, (case, error)
+        assert result["sharded_steps"]
 
 
 def test_a_ddp_comm_hook_is_refused_on_every_rank(runs):

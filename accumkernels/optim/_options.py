@@ -13,6 +13,7 @@ import torch.distributed as dist
 from .. import ops
 from .._validation import is_dense
 from . import _ddp, _fsdp, _pipeline
+from ._discovery import calling_frame
 from ._intake import INTAKES, default_intake
 from ._layout import collect_params
 from ._update import MASTER_WEIGHTS, STATE_DTYPES, _number, optimizer_kind
@@ -163,6 +164,8 @@ def check_options(
     world_size = dist.get_world_size(group) if replicated else 1
     rank = dist.get_rank(group) if replicated else 0
     group = None if group is _NO_REPLICAS else group
+    if world_size > 1 and mesh is None:
+        _refuse_zero_redundancy_optimizer()
     pipeline = (stages[0].group, _pipeline.part_of_process(stages)) if stages else ()
     if max_grad_norm is not None and pipeline and pipeline[1]:
         raise ValueError(pipeline[1])
@@ -244,6 +247,24 @@ def _data_parallel_group(stages, process_group, initialized):
         return None
     group = _pipeline.data_parallel_group(stages[0])
     return _NO_REPLICAS if group is None else group
+
+
+def _refuse_zero_redundancy_optimizer() -> None:
+    """torch's ZeroRedundancyOptimizer builds the optimizer class it is given
+    over each rank's share of the params, so each rank's wrapper would hold
+    other params than its peers' and could not reduce its window sums with
+    theirs (refused on their shapes only where the shares' layouts differ).
+    Found on the call stack: it is the caller of this construction."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if calling_frame(lambda f: isinstance(f.f_locals.get("self"), ZeroRedundancyOptimizer), skip=1, limit=16):
+        raise ValueError(
+            "torch.distributed.optim.ZeroRedundancyOptimizer builds this optimizer over one rank's share of "
+            "the params, whose window sums the ranks cannot reduce together (each holds other params). Use "
+            "accumkernels' own ZeRO-1 in its place: build the optimizer over every param with sharded=True "
+            "(e.g. accumkernels.AdamW(model.parameters(), sharded=True)): each rank steps its slice of the "
+            "reduced fp32 sums, with the optimizer state of that slice only"
+        )
 
 
 def _fsdp_mesh(params, intake, sharded, process_group, wire_dtype, state_dtype):
