@@ -564,6 +564,20 @@ def accum_steps_under_frameworks() -> dict:
     out["lightning"] = _error_of(lambda: trainer.fit(module, loader))
     out["lightning_moved"] = params_of(module.net) != before
 
+    class Manual(Module):
+        """Manual optimization, where Lightning refuses accumulate_grad_batches
+        and counts each step() call as a global step."""
+
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, i):
+            self.manual_backward(F.mse_loss(self.net(batch[0]), batch[1]))
+            self.optimizers().step()
+
+    out["lightning_manual"] = _error_of(lambda: lightning_trainer(max_epochs=1).fit(Manual(), loader))
+
     from accelerate import Accelerator
 
     accelerator = Accelerator(gradient_accumulation_steps=4, cpu=True)

@@ -210,10 +210,14 @@ def test_accum_steps_while_the_framework_counts_is_refused():
     """accum_steps=4 in the wrapper while HF Trainer, Accelerate or Lightning
     accumulate over 4 batches too: a window of 16, the scheduler and clipping at
     the wrong cadence, norms logged as 0. Each run stops at its first step()
-    with an error naming accum_steps=None, before any param moved."""
+    with an error naming accum_steps=None, before any param moved. In
+    Lightning's manual optimization, where the framework refuses
+    accumulate_grad_batches, the error says to step every N-th batch (before
+    2026-12-07 it named only the setting Lightning refuses there)."""
     errors = run("accum_steps_under_frameworks")
     for framework, setting in (
         ("lightning", "accumulate_grad_batches"),
+        ("lightning_manual", "in manual optimization, call opt.step() and opt.zero_grad() every N-th batch"),
         ("accelerate", "gradient_accumulation_steps"),
         ("hf_trainer", "gradient_accumulation_steps"),
     ):

@@ -14,13 +14,19 @@ from __future__ import annotations
 
 from ._discovery import frames_above
 
+# Lightning counts every step() call as a global step in manual optimization
+# too, where accumulate_grad_batches is refused and the loop counts by hand.
+_LIGHTNING = (
+    "Lightning (Trainer(accumulate_grad_batches=...); in manual optimization, call opt.step() and "
+    "opt.zero_grad() every N-th batch, as with torch.optim)"
+)
 # Top-level packages whose code calls optimizer.step() for the user, and the
 # setting in which each counts the window itself.
 FRAMEWORKS = {
     "transformers": "HF Trainer (TrainingArguments(gradient_accumulation_steps=...))",
     "accelerate": "Accelerate (Accelerator(gradient_accumulation_steps=...))",
-    "pytorch_lightning": "Lightning (Trainer(accumulate_grad_batches=...))",
-    "lightning": "Lightning (Trainer(accumulate_grad_batches=...))",
+    "pytorch_lightning": _LIGHTNING,
+    "lightning": _LIGHTNING,
 }
 
 
