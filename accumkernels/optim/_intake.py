@@ -1438,6 +1438,9 @@ class GradIntake(Intake):
         # One process, accum_steps=None: the next backward's first gradient
         # reads whether the buffers of window.unzeroed were zeroed (_find_cleared)
         self._unzeroed_unread = False
+        # Held by one attribute, as a record holds its view: _let_go_of_held
+        # counts a view's references against it (see there).
+        self._one_reference = object()
         self._held_before_load: set[int] = set()  # (before_restore: until the load's restore_sums)
         low = [r for r in self.layout if r.param.dtype != torch.float32]
         if low and not hasattr(low[0].param, "grad_dtype"):
@@ -2106,9 +2109,14 @@ class GradIntake(Intake):
         beyond Python, as by an autograd graph that saved it, its data only),
         and the record a new view. (A view of ``.grad`` made by other code,
         such as ``p.grad.flatten()``, is not seen: docs/optimizers.md.)"""
-        held = r.buffer
-        if not self.one_process or sys.getrefcount(held) <= 3 + (r.param.grad is held):
-            return  # (across ranks .grad stays the buffer; the three: the record's, the call's, this frame's)
+        # The view's references beyond the record's and .grad's, counted
+        # against an object held by one attribute and loaded alike: what the
+        # interpreter's own references add (this frame's, the call's; fewer
+        # where Python 3.14 borrows a local for a call) cancels.
+        held, calibrated = r.buffer, self._one_reference
+        beyond = sys.getrefcount(held) - sys.getrefcount(calibrated) - (r.param.grad is held)
+        if not self.one_process or beyond <= 0:
+            return  # (across ranks .grad stays the buffer)
         if r.param.grad is held:
             r.param.grad = None
         r.buffer, own = self.layout.view(r), held.detach().clone()
