@@ -2416,6 +2416,16 @@ def test_closure_optimizers_are_refused_at_construction():
         ak.AccumulatingOptimizer(torch.optim.LBFGS([torch.zeros(3, requires_grad=True)]))
 
 
+def test_sparse_adam_is_refused_at_construction():
+    """SparseAdam refuses dense gradients, which the window's are: before
+    2026-12-07 its own error came at the first step(), after the window was
+    taken in."""
+    embedding = nn.Embedding(10, 4, sparse=True)
+    with pytest.raises(TypeError, match="SparseAdam steps sparse gradients only.*use SparseAdam directly"):
+        ak.AccumulatingOptimizer(torch.optim.SparseAdam(embedding.parameters(), lr=0.1))
+    torch.optim.SparseAdam(embedding.parameters(), lr=0.1)  # (no other optimizer holds the params)
+
+
 def test_num_items_takes_numbers_and_refuses_negative_counts():
     p = torch.zeros(3, requires_grad=True)
     opt = ak.SGD([p], lr=0.1, normalize="items", accum_steps=3)

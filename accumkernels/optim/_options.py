@@ -123,6 +123,11 @@ def check_options(
             "backward passes per step), which a window of accumulated gradients cannot give it: use "
             f"{type(optimizer).__name__} directly, without AccumulatingOptimizer"
         )
+    if isinstance(optimizer, torch.optim.SparseAdam):
+        raise TypeError(
+            "SparseAdam steps sparse gradients only, and the window is summed in dense fp32 buffers: use "
+            "SparseAdam directly, without AccumulatingOptimizer (or Adam, whose dense step this wrapper fuses)"
+        )
     params, groups = collect_params(optimizer)
     unsupported = [(i, p.dtype) for i, p in enumerate(params) if p.dtype not in SUPPORTED_DTYPES]
     if unsupported:
