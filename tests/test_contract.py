@@ -468,6 +468,56 @@ GIVES_GRAD = (
 DROPPING_CLEARS = ["optimizer.zero_grad()", "model.zero_grad()", "p.grad = None"]
 
 
+@pytest.mark.parametrize("accum_steps", [None, 2], ids=["each-step", "counted"])
+def test_a_backward_that_fails_part_way_is_dropped_by_zero_grad_as_torchs(accum_steps):
+    """A backward that raises part-way (out of memory, say) leaves some
+    params' gradients added; the loop's recovery is zero_grad() and the next
+    batch. torch's zero_grad() drops the gradients since the last step (a
+    counted loop's window so far): intake "grad" trains as torch's loop does;
+    intake "hooks", whose sums cannot drop a micro-batch, refuses the clear,
+    naming intake='grad' (before 2026-12-07 it said to clear after step(),
+    which would step the failed batch's partial gradients)."""
+
+    class Failed(Exception):
+        pass
+
+    xs = [torch.randn(4, 5, generator=torch.Generator().manual_seed(i)) for i in range(10)]
+
+    def train(opt, model, ours):
+        failing = [3, 6]
+
+        def fail(module, grad_input, grad_output):
+            if failing and failing[0] == i:
+                failing.pop(0)
+                raise Failed  # (after the last layer's gradients were added)
+
+        model[2].register_full_backward_hook(fail)
+        n, divide = accum_steps or 1, not ours and accum_steps
+        pending = 0
+        for i in range(10):
+            try:
+                (model(xs[i]).square().sum() / (n if divide else 1)).backward()
+            except Failed:
+                opt.zero_grad()
+                pending = 0
+                continue
+            pending += 1
+            if ours or pending == n:
+                opt.step()
+            if not ours and pending == n or ours and accum_steps is None:
+                opt.zero_grad()
+                pending = 0
+
+    plain = _mlp()
+    train(torch.optim.AdamW(plain.parameters(), **FUSED["AdamW"]), plain, ours=False)
+    model = _mlp()
+    train(ak.AdamW(model.parameters(), **FUSED["AdamW"], accum_steps=accum_steps, intake="grad"), model, ours=True)
+    _assert_fused_close(list(model.parameters()), list(plain.parameters()))
+    model = _mlp()
+    with pytest.raises(RuntimeError, match=r"zero_grad\(\) between a backward and step\(\).*intake='grad'"):
+        train(ak.AdamW(model.parameters(), **FUSED["AdamW"], accum_steps=accum_steps, intake="hooks"), model, True)
+
+
 @pytest.mark.parametrize("clear", DROPPING_CLEARS)
 @pytest.mark.parametrize("name", list(FUSED))
 def test_a_reference_kept_to_grad_keeps_its_values_through_a_clear(name, clear):

@@ -1326,9 +1326,11 @@ class HookIntake(Intake):
             if assigned:
                 _refuse_clearing_taken_in(None)
             raise RuntimeError(
-                "zero_grad() between a backward and step(): in plain PyTorch that discards the gradient, but "
-                "intake='hooks' has folded it into the window already. Call zero_grad() after step() (or before the "
-                "backward), or use intake='grad'"
+                "zero_grad() between a backward and step(): in plain PyTorch that discards the gradients since the "
+                "last step(), but intake='hooks' has folded them into the window's sums, which it cannot discard. "
+                "Call zero_grad() after step() (or before the backward); to drop gradients that way (e.g. after a "
+                "backward that failed part-way, out of memory), build the optimizer with intake='grad', whose "
+                "zero_grad() there discards the window so far, as torch's does"
             )
 
     def zero_grad(self, set_to_none: bool) -> None:
