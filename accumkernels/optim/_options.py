@@ -259,10 +259,13 @@ def _refuse_zero_redundancy_optimizer() -> None:
     over each rank's share of the params, so each rank's wrapper would hold
     other params than its peers' and could not reduce its window sums with
     theirs (refused on their shapes only where the shares' layouts differ).
-    Found on the call stack: it is the caller of this construction."""
+    Found on the call stack, by the code of its methods: it is the caller of
+    this construction. (No frame's f_locals is read: reading them pins a
+    frame's variables to it, a device mesh among them.)"""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    if calling_frame(lambda f: isinstance(f.f_locals.get("self"), ZeroRedundancyOptimizer), skip=1, limit=16):
+    codes = {f.__code__ for f in vars(ZeroRedundancyOptimizer).values() if inspect.isfunction(f)}
+    if calling_frame(lambda f: f.f_code in codes, skip=1, limit=16):
         raise ValueError(
             "torch.distributed.optim.ZeroRedundancyOptimizer builds this optimizer over one rank's share of "
             "the params, whose window sums the ranks cannot reduce together (each holds other params). Use "
