@@ -264,7 +264,12 @@ def _refuse_zero_redundancy_optimizer() -> None:
     frame's variables to it, a device mesh among them.)"""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    codes = {f.__code__ for f in vars(ZeroRedundancyOptimizer).values() if inspect.isfunction(f)}
+    source = inspect.getfile(ZeroRedundancyOptimizer)  # (a decorator's wrapper code is shared with others)
+    codes = {
+        f.__code__
+        for f in vars(ZeroRedundancyOptimizer).values()
+        if inspect.isfunction(f) and f.__code__.co_filename == source
+    }
     if calling_frame(lambda f: f.f_code in codes, skip=1, limit=16):
         raise ValueError(
             "torch.distributed.optim.ZeroRedundancyOptimizer builds this optimizer over one rank's share of "
