@@ -1740,16 +1740,12 @@ class GradIntake(Intake):
         # A tensor assigned to .grad there is a gradient of the micro-step, taken
         # in (arrivals 0) but no backward (grads_since_step): see _taken_in.
         assigned_is_taken_in = self._no_gradient_yet()
-        if self._unzeroed_unread and any(
-            r.param.grad is not None and r.param.grad is not r.buffer for r in self.layout
-        ):
-            # A tensor assigned to .grad is the first gradient since the step():
-            # a clear through .data before it is read now, as _attach reads it
-            # before autograd's first (else a write after this take-in, which
-            # counts as one after the window's gradient, would hide the zeros),
-            # and again there (a clear through .data may come between).
-            self._find_cleared()
-            self._unzeroed_unread = bool(self.window.unzeroed)
+        # A tensor assigned to .grad, taken in below, is the first gradient since
+        # the step(): a clear through .data before it is read then, as _attach
+        # reads it before autograd's first (else a write after this take-in,
+        # which counts as one after the window's gradient, would hide the
+        # zeros), and again there (a clear through .data may come between).
+        unread = self._unzeroed_unread
         for r in self.layout:
             grad = r.param.grad
             if drop_assigned and grad is not None and grad is not r.buffer:
@@ -1779,6 +1775,10 @@ class GradIntake(Intake):
                 self.window.forget_grad(r.index)  # no gradient, as in plain PyTorch: not stepped
                 self.arrivals.pop(r.index, None)  # (nor those of this micro-step: backwards_since_step)
             else:
+                if unread:  # (earlier iterations kept what it reads: a view re-attached holds its values)
+                    unread = False
+                    self._find_cleared()
+                    self._unzeroed_unread = bool(self.window.unzeroed)
                 self._check_shape(r, grad)
                 if kept:
                     r.buffer.add_(grad)  # a gradient too
