@@ -345,8 +345,9 @@ def add_group(cfg, rank, world):
 
 def misuse(cfg, rank, world):
     """What the wrapper refuses in the window's last micro-step, after its
-    backward has launched the reductions: reading the buffers, a second backward
-    (and the step() after it, which sees two gradients for a param); and
+    backward has launched the reductions: reading the buffers, zero_grad()
+    (which would discard sums being reduced), a second backward (and the
+    step() after it, which sees two gradients for a param); and
     clip_grad_norm_() in distributed runs at all. Then, with accum_steps=None
     and a bf16 wire, a second backward after the reduction of the first."""
     model = Net()
@@ -360,6 +361,7 @@ def misuse(cfg, rank, world):
         ("state_dict", opt.state_dict),
         ("accumulated_grad", lambda: opt.accumulated_grad(model.side.weight)),
         ("clip_grad_norm_", lambda: opt.clip_grad_norm_(1.0)),
+        ("zero_grad", opt.zero_grad),
         ("second_backward", lambda: model.loss(x, y, True).backward()),
     ):
         try:

@@ -337,6 +337,12 @@ TORCH_LOOPS = {
         "torch",
     ),
     "scaled in place": (["backward", "grads /= 4", "backward", "grads /= 4", "step"], "torch"),
+    # the shards FSDP2 reduced during the backward are this rank's own: discarded, as torch's .grad
+    "zero_grad() between a backward and step()": (["backward", "zero_grad", "backward", "step"], "torch"),
+    "zero_grad(False) between a backward and step()": (
+        ["backward", "step", "zero_grad", "backward", "zero_grad(False)", "step", "backward", "step"],
+        "torch",
+    ),
 }
 
 

@@ -280,6 +280,7 @@ def test_misuse_during_the_reduction_is_refused(runs):
         for name in ("state_dict", "accumulated_grad"):
             assert "being reduced across ranks" in errors[name], errors[name]
         assert "max_grad_norm=" in errors["clip_grad_norm_"]
+        assert "across ranks" in errors["zero_grad"] and "intake='grad'" in errors["zero_grad"], errors["zero_grad"]
         assert "cross-rank reduction has already started" in errors["second_backward"]
         assert "got 2 gradients since the last step()" in errors["step"]
         assert "wire_dtype=torch.bfloat16" in errors["bf16_wire_second_backward"]

@@ -310,20 +310,53 @@ def test_a_second_backward_is_refused_the_same_way(where, frozen, monkeypatch, s
 
 
 @pytest.mark.parametrize("frozen", [False, True], ids=["bucket-complete", "bucket-incomplete"])
-@pytest.mark.parametrize("zero_grad", ["wrapper", "model"])
-def test_zero_grad_between_backward_and_step_is_refused_the_same_way(zero_grad, frozen, monkeypatch, seed):
-    """The wrapper's zero_grad() refuses at once; the model's (set to None)
-    is found at step()."""
+def test_model_zero_grad_between_backward_and_step_is_refused_the_same_way(frozen, monkeypatch, seed):
+    """The model's zero_grad() (.grad set to None) there is found at step()."""
 
     def scenario(model, opt, batches):
         _windows(model, opt, batches, windows=2)
         model.scale.requires_grad_(not frozen)
         model(batches[0]).backward()
-        (opt if zero_grad == "wrapper" else model).zero_grad()
+        model.zero_grad()
         opt.step()
 
     outcome = _both(scenario, monkeypatch, seed)
     assert outcome[0] == "raised" and "zero_grad()" in outcome[1]
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["bucket-complete", "bucket-incomplete"])
+def test_zero_grad_between_backward_and_step_discards_the_window_the_same_way(frozen, monkeypatch, seed):
+    """The wrapper's zero_grad() there discards the window so far: the sums
+    the inbox folded, the gradients it queued for a bucket not complete (a
+    frozen param's), the count of step() calls. Through the inbox and the
+    Python hooks alike, the params end bitwise as where the discarded
+    micro-steps never ran (bf16 params: the stochastic rounding stream
+    counts windows stepped, which the discard is not)."""
+
+    calls = _count_python_calls(monkeypatch)
+
+    def run(native: bool, discard: bool):
+        model, opt = _build(native, monkeypatch, seed)
+        batches = _batches(seed, 16)
+        _windows(model, opt, batches, windows=2)
+        model.scale.requires_grad_(not frozen)
+        if discard:
+            model(batches[0]).backward()
+            opt.step()  # (the window's first micro-step)
+            model(batches[1]).backward()
+            opt.zero_grad()
+            assert opt.micro_steps == 0
+        before = dict(calls)
+        _windows(model, opt, batches[2:], windows=2)
+        if native and not frozen:  # the inbox is armed again: it folds the next backward itself
+            assert calls["arrive"] == before["arrive"] and calls["deliver"] == before["deliver"]
+        params = [p.detach().clone() for p in model.parameters()]
+        opt.close()
+        return params
+
+    reference = run(True, discard=False)
+    for native in (True, False):
+        assert all(map(torch.equal, run(native, discard=True), reference))
 
 
 def test_model_to_after_wrapping_is_named_from_inside_backward(monkeypatch, seed):

@@ -1000,8 +1000,9 @@ class HookIntake(Intake):
         raise RuntimeError(
             f"param {index}'s .grad was {how} after its backward, before step() (e.g. model.zero_grad() between a "
             "backward and opt.step(), or between two backwards): in plain PyTorch that discards the gradient, but "
-            "intake='hooks' has folded it into the window already. Call zero_grad() after step() (or before the "
-            "backward), or use intake='grad'"
+            "intake='hooks' has folded it into the window already, and drops a window's sums only all together. "
+            "Clear after step() (or before the backward); to drop the gradients since the last step() there, call "
+            "optimizer.zero_grad(), which discards the window so far (on one process), or use intake='grad'"
         )
 
     def _install_marker(self, r: ParamRecord) -> None:
@@ -1317,29 +1318,47 @@ class HookIntake(Intake):
 
     def before_zero_grad(self) -> None:
         """Harmless where it belongs, after step() (or before a backward).
-        Between a backward and its step() it is refused, before the window
-        records it: plain PyTorch would discard that gradient, which this
-        intake has folded already."""
+        Between a backward and its step() it discards the window so far
+        (zero_grad), as plain PyTorch's clear discards ``.grad``, where the
+        buffers are this process's own (one process, FSDP2's shards, which
+        FSDP2 reduced during the backward, a pipeline stage's); where the
+        wrapper reduces its buffers across ranks (DDP, sharded=True) it is
+        refused, before the window records it (each bucket's reduction may
+        have started during the backward), as is a clear of a tensor
+        assigned to ``.grad`` that a call took in, in a counted window's
+        micro-step without a backward (as with intake "grad": torch's loop
+        would drop that tensor only, not the window so far)."""
         self._drain()
-        if self.window.grads_since_step:
-            assigned = bool(self.arrivals) and not any(self.arrivals.values())
-            if assigned:
-                _refuse_clearing_taken_in(None)
+        if not self.window.grads_since_step:
+            return
+        if self.accum_steps is not None and self.arrivals and not any(self.arrivals.values()):
+            _refuse_clearing_taken_in(None)
+        if self.sync.reduces_buffers:
             raise RuntimeError(
-                "zero_grad() between a backward and step(): in plain PyTorch that discards the gradients since the "
-                "last step(), but intake='hooks' has folded them into the window's sums, which it cannot discard. "
-                "Call zero_grad() after step() (or before the backward); to drop gradients that way (e.g. after a "
+                "zero_grad() between a backward and step() across ranks: in plain PyTorch that discards the "
+                "gradients since the last step(), but intake='hooks' has folded them into the window's sums and "
+                "hands each bucket to the cross-rank reduction as it completes, so it cannot discard them. Call "
+                "zero_grad() after step() (or before the backward); to drop gradients that way (e.g. after a "
                 "backward that failed part-way, out of memory), build the optimizer with intake='grad', whose "
                 "zero_grad() there discards the window so far, as torch's does"
             )
+        # The gradients waiting for their bucket are folded first, so that the
+        # window knows every param with a gradient: a set_to_none=False clear
+        # keeps each one's as zeros (Window.zero_grad), as torch's does.
+        self.flush()
 
     def zero_grad(self, set_to_none: bool) -> None:
-        """Folds what is waiting; the window goes on. A .grad no hook took
-        (left from before wrapping, or assigned) is a gradient, cleared as in
-        plain PyTorch: dropped, or with set_to_none=False kept as a zero
-        gradient (stepped: window.zero_grads), which the marker stands for
-        (the step zeroes its buffer)."""
-        self.flush()
+        """After step() (or before a backward): folds what is waiting; the
+        window goes on. Between a backward and its step() (where
+        before_zero_grad lets it): the window so far is discarded (_discard_window).
+        A .grad no hook took (left from before wrapping, or assigned) is a
+        gradient, cleared as in plain PyTorch: dropped, or with
+        set_to_none=False kept as a zero gradient (stepped: window.zero_grads),
+        which the marker stands for (the step zeroes its buffer)."""
+        if self.window.grads_since_step:
+            self._discard_window()
+        else:
+            self.flush()
         for r in self._assigned():
             marker = (r.param, self._plain_marker(r)) if r.local_of is None else self._markers.get(r.index)
             if not set_to_none:
@@ -1355,6 +1374,25 @@ class HookIntake(Intake):
             for index, (param, marker) in self._markers.items():
                 if param.grad is marker and index not in self.window.touched and records[index].local_of is None:
                     param.grad = None
+
+    def _discard_window(self) -> None:
+        """``zero_grad()`` between a backward and step() (before_zero_grad): torch's
+        clear drops ``.grad``, the gradients since its last step() (a counted
+        loop's window so far), so the window so far is dropped, as intake
+        "grad" drops it: its sums (zeros; lean, the gradients held are let go),
+        its inf/NaN flags, clip coefficient, items and count of step() calls
+        (the next N step() calls make the window). The gradients that waited
+        for their bucket were folded, and the zeros a ``set_to_none=False``
+        clear keeps recorded, before (before_zero_grad, Window.zero_grad)."""
+        if self.lean:
+            self.layout.release()
+            self._held_unscale = 1.0
+        else:
+            self.layout.zero_all()
+        self.window.clear()
+        self.window.step_found_inf.zero_()  # (in place: the armed inbox checks into it)
+        self.start_micro_step()  # the discarded gradients count as no backward
+        self.ready_for_backward()
 
     def _assigned(self) -> list[ParamRecord]:
         """The plain params whose .grad is a tensor no hook took (left from

@@ -393,12 +393,14 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._intake.show_grads({renumbered[i]: grad for i, grad in shown.items() if i in renumbered})
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Intake "hooks": harmless after step() (gradients are folded as they
-        arrive, the window goes on), refused between a backward and step().
-        Intake "grad": as in plain PyTorch, ``.grad`` is cleared: the gradients
-        the last step used (accum_steps=None) and those no ``step()`` took yet.
-        ``set_to_none=False`` has torch.optim's meaning in both: the params that
-        had a gradient keep a zero one, and the following windows step them
+        """As in plain PyTorch, ``.grad`` is cleared: the gradients the last
+        step used (accum_steps=None) and those no ``step()`` took yet (between
+        a backward and step(), the window so far, and with accum_steps=N its
+        count of step() calls; intake "hooks" refuses that across ranks, where
+        its buckets' reductions may have started). After step() with
+        accum_steps=N it is harmless: the window goes on. ``set_to_none=False``
+        has torch.optim's meaning with both intakes: the params that had a
+        gradient keep a zero one, and the following windows step them
         (momentum and weight decay go on) until ``zero_grad()`` sets it to None."""
         self._refuse_closed("zero_grad()")
         self._intake.before_zero_grad()  # (takes in what was put into .grad since, or refuses)
