@@ -865,7 +865,10 @@ class HookIntake(Intake):
         param = r.param
         if param.grad is not r.marker:
             if prior is not None:  # (a gradient of this micro-step is folded: a backward's, or one assigned)
-                self._refuse_discarded(index, _how_cleared(param.grad), assigned=prior == 0)
+                if not self._drops_per_param():
+                    self._refuse_discarded(index, _how_cleared(param.grad), assigned=prior == 0)
+                self._drop_sum(r)  # (cleared between two backwards: torch's .grad holds what came since)
+                arrivals[index] = 1
             self._install_marker(r)
         # Autograd checked the gradient against the param (shape, dtype, device)
         # before this hook; what is left to check is that the param is still
@@ -903,10 +906,17 @@ class HookIntake(Intake):
         (``model.zero_grad(set_to_none=False)``, ``p.grad.zero_()``):
         torch.optim keeps a zero gradient there, which it steps (momentum,
         weight decay), so the window does too. Where the param has a gradient
-        in the window, folded or waiting for its bucket, torch.optim would
-        discard it, which the fold cannot undo for one param: refused."""
+        in the window, folded or waiting for its bucket, torch.optim discards
+        it: so does the window where it drops one param's sum
+        (_drops_per_param), and the param is stepped with a zero gradient;
+        elsewhere that is refused."""
         self._drain()
         window = self.window
+        if (index in window.touched or index in self.arrivals) and self._drops_per_param():
+            self._drop_sum(self.layout.records[index])
+            window.unzeroed.discard(index)
+            window.zero_grads.add(index)
+            return
         if index in window.touched or index in self.arrivals:
             raise RuntimeError(
                 f"param {index}'s .grad was zeroed in place (model.zero_grad(set_to_none=False), p.grad.zero_()) "
@@ -1005,6 +1015,32 @@ class HookIntake(Intake):
             "optimizer.zero_grad(), which discards the window so far (on one process), or use intake='grad'"
         )
 
+    def _drops_per_param(self) -> bool:
+        """Whether a param's ``.grad`` dropped, replaced or zeroed in place after
+        its gradient of the window arrived (``model.zero_grad()`` between a
+        backward and step(), or between two backwards) drops that param's sum
+        (_drop_sum), as torch's clear drops its ``.grad``: where a window is
+        one step() call's (accum_steps=None: with accum_steps=N a param the
+        micro-step's backward did not reach may have been cleared before that
+        backward, harmless there, or after it, which drops its sum: not told
+        apart), on one process (elsewhere the sums are reduced, or FSDP2's),
+        and with no inf/NaN check (the window's flag is of every gradient,
+        the dropped ones included). Elsewhere refused (_refuse_discarded)."""
+        return self.accum_steps is None and self.one_process and not self.check_inf
+
+    def _drop_sum(self, r: ParamRecord) -> None:
+        """Param ``r``'s window so far is dropped (_drops_per_param): its
+        gradients waiting for its bucket, its sum (zeros: a window of
+        accum_steps=None has its flat buffer) and its count; its ``.grad`` is
+        the caller's to handle."""
+        pending = self._pending.get(r.bucket.index)
+        if pending:
+            self._pending[r.bucket.index] = [(q, g) for q, g in pending if q is not r]
+        if r.index in self.window.touched:
+            r.buffer.zero_()
+            self.window.touched.discard(r.index)
+        self.arrivals.pop(r.index, None)
+
     def _install_marker(self, r: ParamRecord) -> None:
         """``.grad`` becomes (or stays) the marker. A tensor found there instead
         was put there by other code since (a pipeline schedule's manual
@@ -1018,6 +1054,15 @@ class HookIntake(Intake):
             r.param.grad = marker
 
     def _take_late(self, r: ParamRecord) -> None:
+        # A param hooked only now (unfrozen) whose gradient of the window arrived
+        # before (a checkpoint's, loaded while it was frozen): its .grad is not its
+        # marker, so the marker was dropped or replaced since (.grad = None, then
+        # autograd's new tensor), which drops that gradient in torch, as check_grads
+        # finds for a hooked param.
+        if r.index in self.arrivals or (r.index in self.window.touched and self._drops_per_param()):
+            if not self._drops_per_param():
+                self._refuse_discarded(r.index, "replaced", assigned=self.arrivals[r.index] == 0)
+            self._drop_sum(r)
         self.window.unzeroed.discard(r.index)  # a .grad assigned by other code replaced the last one
         # a gradient of this micro-step (no backward's: counted 0), which a .grad
         # dropped or replaced before step() discards in torch, as a backward's
@@ -1050,10 +1095,12 @@ class HookIntake(Intake):
 
     def check_grads(self) -> None:
         """At step(): every param that got a gradient since the last step()
-        still holds its marker; one found with None was dropped after backward
-        (``model.zero_grad()`` before step()), which in plain PyTorch discards
-        the gradient: its sum here is already folded, so that is refused. A
-        gradient assigned to ``.grad`` by other code is taken in."""
+        still holds its marker; one found with None or another tensor was
+        dropped or replaced after backward (``model.zero_grad()`` before
+        step()), which in plain PyTorch discards the gradient: its sum here,
+        already folded, is dropped where the window drops one param's
+        (_drops_per_param), else that is refused. A gradient assigned to
+        ``.grad`` by other code is taken in."""
         # Only hooked params hold a marker (a param without a hook has
         # received nothing to fold).
         self._drain()
@@ -1069,11 +1116,14 @@ class HookIntake(Intake):
         ]
         if frozen:
             markers = {**markers, **{r.index: (r.param, self._plain_marker(r)) for r in frozen}}
+        drops = self._drops_per_param()
         for index, (param, marker) in markers.items():
             grad = param.grad
             if grad is marker:
                 continue
-            if index in self.arrivals:
+            if drops and (index in self.arrivals or index in self.window.touched):
+                self._drop_sum(self.layout.records[index])  # (then as a .grad dropped or assigned before it)
+            elif index in self.arrivals:
                 self._refuse_discarded(index, _how_cleared(grad), assigned=self.arrivals[index] == 0)
             if grad is None:  # no gradient, as in plain PyTorch: not stepped (nor with a zero gradient)
                 self.window.forget_grad(index)
