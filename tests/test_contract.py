@@ -1970,6 +1970,38 @@ def test_a_param_unfrozen_after_a_rebuild_while_frozen_is_no_write_over_the_sums
     _assert_fused_close(list(model.parameters()), list(plain.model.parameters()), steps=2)
 
 
+@pytest.mark.parametrize("frozen", ["when built", "rebuilt"])
+def test_a_clip_after_a_backward_is_refused_with_an_unhooked_param_unfrozen_since(frozen):
+    """accum_steps=N, intake "grad", normalize "mean": a param frozen when the
+    optimizer is built, or when it is rebuilt mid-window, has no hook (rebuilt,
+    it holds its buffer as .grad). Unfrozen after a torch clip that follows a
+    backward, it made the next gradient's take pass over the clip's writes,
+    as autograd's add into an unhooked param's buffer: the clip of the
+    undivided sums was stepped, 1.2e-3 off torch's loop, silently (the
+    rebuilt case found by the counted-window fuzz's sweep, seed 52021). Now
+    only as many writes pass as such params can take from a backward (one
+    each, and none without the buffer as .grad): the clip's are noted and the
+    window refused, as without the unfrozen param."""
+    model = _mlp()
+    params = list(model.parameters())
+    gen = torch.Generator().manual_seed(3)
+    if frozen == "when built":
+        params[1].requires_grad_(False)
+    opt = ak.SGD(params, **FUSED["SGD"], accum_steps=2, intake="grad")
+    model(torch.randn(4, 5, generator=gen)).pow(2).mean().backward()
+    if frozen == "rebuilt":
+        params[1].requires_grad_(False)
+        opt = _rebuild(opt, params)
+    torch.nn.utils.clip_grad_norm_(params, 0.05)
+    params[1].requires_grad_(True)
+    params[0].grad = None
+    model(torch.randn(4, 5, generator=gen)).pow(2).mean().backward(inputs=[params[0]])
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(RuntimeError, match="written in place after this micro-step's backward"):
+        opt.step()
+    assert all(map(torch.equal, params, before))
+
+
 _WINDOW = ["backward", "step"] * 3  # (two windows first: AdamW's first steps hide a gradient's size)
 
 # Counted-window loops (accum_steps=3) with a tensor assigned to .grad after a

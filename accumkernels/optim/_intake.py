@@ -1675,13 +1675,17 @@ class GradIntake(Intake):
         # cleared in place; between its micro-steps, the earlier micro-steps'
         # sums were overwritten; after this micro-step's earlier gradients, an
         # edit (torch's clip), noted now, before this gradient accounts for the
-        # version counter. The last two are not told where a param without a
-        # hook may have had its gradient added into its buffer by autograd:
-        # that write is its gradient, which refresh() takes in at step().
-        if self.layout.flat._version > self._seen_version + (grad is r.buffer):
+        # version counter. The last two are not told where the writes may be
+        # autograd's adds of this backward into the buffers of params without
+        # a hook that hold theirs as .grad (one each): those are their
+        # gradients, which refresh() takes in at step(). (Before, any param
+        # without a hook that required grad let every write through unnoted:
+        # a torch clip of a backward's sums was stepped, silently.)
+        unaccounted = self.layout.flat._version - self._seen_version - (grad is r.buffer)
+        if unaccounted > 0:
             if self._at_window_start():
                 self._take_cleared(r)
-            elif self._unhooked_require_grad():
+            elif unaccounted <= sum(q.param.requires_grad and q.param.grad is q.buffer for q in self._unhooked):
                 pass
             elif self._between_micro_steps():
                 self._note_overwritten_sums()
