@@ -858,18 +858,14 @@ class HookIntake(Intake):
             self._refuse_late_init()
         r = self.layout.records[index]
         arrivals = self.arrivals
-        prior = arrivals.get(index)
-        count = arrivals[index] = (prior or 0) + 1
-        if count > 1 and count > self.repeated[0]:
-            self.repeated = (count, index)
         param = r.param
         if param.grad is not r.marker:
-            if prior is not None:  # (a gradient of this micro-step is folded: a backward's, or one assigned)
-                if not self._drops_per_param():
-                    self._refuse_discarded(index, _how_cleared(param.grad), assigned=prior == 0)
-                self._drop_sum(r)  # (cleared between two backwards: torch's .grad holds what came since)
-                arrivals[index] = 1
+            if index in arrivals:  # (a gradient of this micro-step is folded: a backward's, or one assigned)
+                self._drop_or_refuse(r, _how_cleared(param.grad))  # (torch's .grad holds what comes since)
             self._install_marker(r)
+        count = arrivals[index] = arrivals.get(index, 0) + 1
+        if count > 1 and count > self.repeated[0]:
+            self.repeated = (count, index)
         # Autograd checked the gradient against the param (shape, dtype, device)
         # before this hook; what is left to check is that the param is still
         # as wrapped, and the gradient dense.
@@ -1028,6 +1024,20 @@ class HookIntake(Intake):
         the dropped ones included). Elsewhere refused (_refuse_discarded)."""
         return self.accum_steps is None and self.one_process and not self.check_inf
 
+    def _drop_or_refuse(self, r: ParamRecord, how: str) -> None:
+        """Param ``r``'s ``.grad`` was dropped or replaced (``how``) since its
+        last gradient arrived, found at its next gradient, at step() or as it
+        is hooked late: torch's clear drops that gradient. So is its sum here
+        where the window drops one param's (_drops_per_param); elsewhere a
+        gradient of this micro-step is folded already, which is refused (one
+        of an earlier micro-step of a counted window stays in the sum: the
+        clear may have come before this micro-step's backward, harmless)."""
+        if self._drops_per_param():
+            if r.index in self.arrivals or r.index in self.window.touched:
+                self._drop_sum(r)
+        elif r.index in self.arrivals:
+            self._refuse_discarded(r.index, how, assigned=self.arrivals[r.index] == 0)
+
     def _drop_sum(self, r: ParamRecord) -> None:
         """Param ``r``'s window so far is dropped (_drops_per_param): its
         gradients waiting for its bucket, its sum (zeros: a window of
@@ -1054,15 +1064,13 @@ class HookIntake(Intake):
             r.param.grad = marker
 
     def _take_late(self, r: ParamRecord) -> None:
-        # A param hooked only now (unfrozen) whose gradient of the window arrived
-        # before (a checkpoint's, loaded while it was frozen): its .grad is not its
-        # marker, so the marker was dropped or replaced since (.grad = None, then
-        # autograd's new tensor), which drops that gradient in torch, as check_grads
-        # finds for a hooked param.
-        if r.index in self.arrivals or (r.index in self.window.touched and self._drops_per_param()):
-            if not self._drops_per_param():
-                self._refuse_discarded(r.index, "replaced", assigned=self.arrivals[r.index] == 0)
-            self._drop_sum(r)
+        # A param hooked only now (refresh(): unfrozen) whose gradient of the
+        # window arrived before (a checkpoint's, loaded while it was frozen):
+        # its .grad is not its marker, so the marker was dropped or replaced
+        # since (.grad = None, then autograd's new tensor), which drops that
+        # gradient in torch, as check_grads finds for a hooked param (whose
+        # call, before this one, leaves nothing to drop here).
+        self._drop_or_refuse(r, "replaced")
         self.window.unzeroed.discard(r.index)  # a .grad assigned by other code replaced the last one
         # a gradient of this micro-step (no backward's: counted 0), which a .grad
         # dropped or replaced before step() discards in torch, as a backward's
@@ -1116,15 +1124,11 @@ class HookIntake(Intake):
         ]
         if frozen:
             markers = {**markers, **{r.index: (r.param, self._plain_marker(r)) for r in frozen}}
-        drops = self._drops_per_param()
         for index, (param, marker) in markers.items():
             grad = param.grad
             if grad is marker:
                 continue
-            if drops and (index in self.arrivals or index in self.window.touched):
-                self._drop_sum(self.layout.records[index])  # (then as a .grad dropped or assigned before it)
-            elif index in self.arrivals:
-                self._refuse_discarded(index, _how_cleared(grad), assigned=self.arrivals[index] == 0)
+            self._drop_or_refuse(self.layout.records[index], _how_cleared(grad))  # (then as one before it)
             if grad is None:  # no gradient, as in plain PyTorch: not stepped (nor with a zero gradient)
                 self.window.forget_grad(index)
                 continue
@@ -1363,8 +1367,12 @@ class HookIntake(Intake):
         if self._inbox is not None:
             _native._C.inbox_remarked(self._inbox)
         if self.lean:
-            self.layout.release()
-            self._held_unscale = 1.0
+            self._release_held()
+
+    def _release_held(self) -> None:
+        """Lean: the window's gradients held (or the flat buffer it made) are let go."""
+        self.layout.release()
+        self._held_unscale = 1.0
 
     def before_zero_grad(self) -> None:
         """Harmless where it belongs, after step() (or before a backward).
@@ -1435,8 +1443,7 @@ class HookIntake(Intake):
         for their bucket were folded, and the zeros a ``set_to_none=False``
         clear keeps recorded, before (before_zero_grad, Window.zero_grad)."""
         if self.lean:
-            self.layout.release()
-            self._held_unscale = 1.0
+            self._release_held()
         else:
             self.layout.zero_all()
         self.window.clear()
