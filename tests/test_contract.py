@@ -296,7 +296,8 @@ def _apply(op, model, opt, gen, norms):
     (``requires_grad_`` of the first bias), "reload" (load_state_dict of its
     state_dict), "lr" (set by hand), "norm" (clip_grad_norm_ of the grads,
     logged in ``norms``); on one process also ONE_PROCESS_OPS: "clip 0.05"
-    (a clip that clips, its norm logged), "closure step", "backward p0" (into
+    (a clip that clips, its norm logged), "clip value" (each element
+    clamped in place: clip_grad_value_), "closure step", "backward p0" (into
     the first weight only), "fill None" (a zero .grad where it is None, as
     before an all-reduce of every param), "noise" (added into each .grad
     that is not None), "add g" (the same, a tensor of the param's shape
@@ -335,6 +336,8 @@ def _apply(op, model, opt, gen, norms):
         params[int(op[-1])].requires_grad_(op.startswith("unfreeze"))
     elif op == "clip 0.05":
         norms.append(torch.nn.utils.clip_grad_norm_(params, 0.05).item())
+    elif op == "clip value":
+        torch.nn.utils.clip_grad_value_(params, 0.02)
     elif op == "closure step":
 
         def closure():
@@ -849,6 +852,7 @@ def test_random_torch_optim_loops_train_as_torch_or_are_refused(intake):
 # The calls of the one-process loops beside FUZZ_OPS (FSDP2's keep to those).
 ONE_PROCESS_OPS = [
     "clip 0.05",
+    "clip value",
     "closure step",
     "backward p0",
     "fill None",
