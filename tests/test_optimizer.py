@@ -1867,6 +1867,44 @@ def test_resuming_with_another_accum_steps(backend, where):
         assert longer.micro_steps == 0
 
 
+@pytest.mark.parametrize("saved, loaded", [("mean", "items"), ("items", "mean"), ("sum", "mean"), ("items", "sum")])
+@pytest.mark.parametrize("where", ["mid-window", "boundary"])
+def test_resuming_with_another_normalize(backend, where, saved, loaded):
+    """A checkpoint saved 2 micro-steps into a window of 4, loaded into a
+    wrapper that normalizes otherwise, would divide that window's sum by
+    another count (loaded with normalize="items", by the items of its last 2
+    micro-steps only: a step twice too large, silently, before 2026-12-08):
+    refused, naming the setting, nothing loaded. Saved at a window
+    boundary, it loads into any."""
+
+    def step(opt, normalize):
+        F.mse_loss(model(data(8)[0]), data(8)[1]).backward()
+        opt.step(**({"num_items": 8} if normalize == "items" else {}))
+
+    model = mlp()
+    opt = ak.AccumulatingOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), accum_steps=4, normalize=saved, backend=backend
+    )
+    for _ in range(2 if where == "mid-window" else 4):
+        step(opt, saved)
+    checkpoint = copy.deepcopy(opt.state_dict())
+    opt.close()
+    other = ak.AccumulatingOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), accum_steps=4, normalize=loaded, backend=backend
+    )
+    if where == "mid-window":
+        with pytest.raises(ValueError, match=f"normalize='{saved}'.*normalize='{loaded}'"):
+            other.load_state_dict(checkpoint)
+        assert other.micro_steps == 0 and not other.state  # nothing loaded
+    else:
+        other.load_state_dict(checkpoint)
+        assert other.micro_steps == 0
+        before = [p.detach().clone() for p in model.parameters()]
+        for _ in range(4):
+            step(other, loaded)
+        assert not all(map(torch.equal, model.parameters(), before)), "the window after the resume steps"
+
+
 @pytest.mark.parametrize("intake", ak.AccumulatingOptimizer.INTAKES)
 def test_autograd_grad_does_not_feed_the_window(backend, intake):
     """torch.autograd.grad (a gradient penalty, a per-example norm) computes

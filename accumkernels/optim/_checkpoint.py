@@ -137,6 +137,15 @@ def check_loadable(wrapper, state_dict: dict, extra: dict | None) -> None:
             f"window elsewhere: resume with accum_steps={saved_steps}, or save at a window boundary "
             "(opt.window_stepped) to change the window length"
         )
+    saved_normalize = extra.get("normalize", wrapper._window.normalize)  # (older checkpoints did not say)
+    if extra["micro_steps"] and saved_normalize != wrapper._window.normalize:
+        raise ValueError(
+            f"checkpoint was saved mid-window ({extra['micro_steps']} micro-steps into a window of "
+            f"normalize={saved_normalize!r}); this wrapper has normalize={wrapper._window.normalize!r}, which would "
+            "divide that window's sum by another count (and normalize='items' by the items of the micro-steps after "
+            f"the resume only): resume with normalize={saved_normalize!r}, or save at a window boundary "
+            "(opt.window_stepped) to change it"
+        )
     check_masters(wrapper, extra.get("master_weights", {}), every=True)
 
 

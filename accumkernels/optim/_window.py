@@ -194,6 +194,7 @@ class Window:
             "windows": self.windows,
             "seed": self.seed,
             "divisor": self.divisor,
+            "normalize": self.normalize,
             "had_grad": sorted(self.had_grad),
             "zero_grads": sorted(self.zero_grads),
             "unzeroed": sorted(self.unzeroed),
