@@ -390,15 +390,15 @@ def _rebuild(opt, params, into=None, closed_first=False):
     """``opt`` closed (ours) and a new optimizer ``into(params)`` built over
     ``params`` that loads its state dict (saved after the close where
     ``closed_first``), as a run that switches or rebuilds its optimizer in
-    process does; by default one like ``opt`` (ours with its intake and
-    accum_steps, or torch's)."""
+    process does; by default one like ``opt`` (ours with its intake,
+    accum_steps and normalize, or torch's)."""
     ours = isinstance(opt, ak.AccumulatingOptimizer)
     if ours and closed_first:
         opt.close()
     saved, name = copy.deepcopy(opt.state_dict()), type(opt).__name__
     if ours:
         opt.close()
-        kept = dict(intake=opt.intake, accum_steps=opt.accum_steps)
+        kept = dict(intake=opt.intake, accum_steps=opt.accum_steps, normalize=opt.normalize)
         into = into or (lambda ps: getattr(ak, name)(ps, **FUSED[name], **kept))
     into = into or _torch(name)
     new = into(params)
@@ -903,12 +903,13 @@ COUNTED_OPS = [
 class _CountedTorchLoop:
     """torch.optim's loop that a counted window of ours (accum_steps=``micro``)
     stands for, called with each of our loop's calls (COUNTED_OPS): each
-    loss divided by ``micro``, step() and zero_grad() at every micro-th
+    loss divided by ``micro`` (ours with normalize="mean"; "sum": not
+    divided), step() and zero_grad() at every micro-th
     step() call (``steps`` counts them). A clear after a step() with no
     backward since is skipped (harmless in ours: the window is the
     wrapper's); one between a backward and its step() is torch's, and
     zero_grad() there starts the count of step() calls over. "p2 = 0.5"
-    after a step() is a micro-batch's gradient (divided by N, as the
+    after a step() is a micro-batch's gradient (divided as the
     window's), added to the window at the micro-step's first backward or
     step(), or once a state_dict() takes it in, unless a clear drops it
     before (ours refuses a clear after the state_dict(): docs/optimizers.md);
@@ -919,8 +920,9 @@ class _CountedTorchLoop:
     "rebuild" is ours only. _COUNTED_WRITES act on its .grad (and on a "p2 =
     0.5" not added yet) as a user's write on torch's."""
 
-    def __init__(self, micro: int, intake: str = "grad", name: str = "AdamW") -> None:
+    def __init__(self, micro: int, intake: str = "grad", name: str = "AdamW", normalize: str = "mean") -> None:
         self.model, self.micro, self.intake = _mlp(), micro, intake
+        self.normalize, self.divisor = normalize, micro if normalize == "mean" else 1
         self.opt = _torch(name)(self.model.parameters())
         self.gen = torch.Generator().manual_seed(3)
         self.calls, self.since_backward, self.steps = 0, False, 0
@@ -940,7 +942,7 @@ class _CountedTorchLoop:
         if op in ("backward", "backward p0"):
             if op == "backward" or self.intake == "grad":  # (intake "hooks" takes it at p2's own gradient)
                 self._add_assigned()
-            loss = model(torch.randn(4, 5, generator=self.gen)).pow(2).mean() / self.micro
+            loss = model(torch.randn(4, 5, generator=self.gen)).pow(2).mean() / self.divisor
             loss.backward(inputs=[model[0].weight] if op == "backward p0" else None)
             self.since_backward, self.reached = True, self.reached or op == "backward"
         elif op == "step":
@@ -951,7 +953,7 @@ class _CountedTorchLoop:
                 opt.zero_grad()
                 self.steps, self.windows = self.steps + 1, self.windows + 1
         elif op == "p2 = 0.5":
-            grad = torch.full_like(list(model.parameters())[2], 0.5 / self.micro)
+            grad = torch.full_like(list(model.parameters())[2], 0.5 / self.divisor)
             if self.since_backward and (self.reached or self.intake == "grad"):
                 list(model.parameters())[2].grad = grad
             else:
@@ -1036,8 +1038,10 @@ class _MicroStepGrads:
             return int(match[1]) in self.dropped
         if "took in" in message:  # (a tensor assigned to .grad that a state_dict() took in, then cleared)
             return self.taken
-        if "written over between two of its step() calls" in message or "written in place after this" in message:
+        if "written over between two of its step() calls" in message:
             return self.intake == "grad" and self.wrote_over_sums(plain)
+        if "written in place after this" in message:  # (normalize="sum": the sum the step uses, torch's)
+            return self.intake == "grad" and plain.normalize == "mean" and self.wrote_over_sums(plain)
         if "its .grad holds no values" in message:  # (torch's clip reads the marker of a window's sum)
             return self.intake == "hooks" and self.writing == "clip 0.05"
         return False
@@ -1057,7 +1061,9 @@ def test_random_counted_window_loops_train_as_torch_or_are_refused(intake):
     clear of some params drops their sums, intake "grad", or is refused,
     "hooks"). A write into .grad (_COUNTED_WRITES) acts
     as in torch's loop where it holds no window sum, and over one is refused
-    (intake "grad": the sum is undivided; "hooks": torch's clip reads its
+    (intake "grad": between two step() calls, where a clear would lose the
+    window's micro-steps, and after a backward with normalize="mean", whose
+    sum is undivided, not with "sum"; "hooks": torch's clip reads its
     marker) until the window starts over (before 2026-12-07, a harmless clear
     or a state_dict() after a write between two step() calls let the window
     step on the written sums: 9 of 60 seeds of this fuzz found it)."""
@@ -1067,8 +1073,11 @@ def test_random_counted_window_loops_train_as_torch_or_are_refused(intake):
         micro = rng.choice([1, 2, 3, 4])  # (1: a lean window, which holds the gradients without a flat buffer)
         ops = [rng.choice(COUNTED_OPS) for _ in range(rng.randint(4, 16))] + ["step"] * micro
         name = rng.choice(list(FUSED))  # (SGD's step is linear in the gradient: AdamW's first hides its size)
-        model, plain = _mlp(), _CountedTorchLoop(micro, intake, name)
-        opt = getattr(ak, name)(model.parameters(), **FUSED[name], accum_steps=micro, intake=intake)
+        normalize = rng.choice(["mean", "sum"])  # ("sum": writes over the window's sum are torch's, intake "grad")
+        model, plain = _mlp(), _CountedTorchLoop(micro, intake, name, normalize)
+        opt = getattr(ak, name)(
+            model.parameters(), **FUSED[name], accum_steps=micro, intake=intake, normalize=normalize
+        )
         gen, given = torch.Generator().manual_seed(3), _MicroStepGrads(model, intake)
         for k, op in enumerate(ops):
             if op in _COUNTED_WRITES:
