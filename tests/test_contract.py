@@ -2359,6 +2359,46 @@ def _assert_the_next_window_is_torchs(model, opt, items) -> None:
     _assert_fused_close(list(model.parameters()), list(plain_model.parameters()), steps=1)
 
 
+@pytest.mark.parametrize("accum_steps", [None, 1], ids=["each-step", "lean"])
+@pytest.mark.parametrize("edit", list(_SUM_EDITS))
+def test_an_items_windows_sum_edited_after_its_backward_is_refused_in_a_window_of_one_step(edit, accum_steps):
+    """normalize="items" in a window of one step() call (accum_steps=None or
+    1), intake "grad": ``.grad`` holds the micro-batch's undivided gradient,
+    which the step divides by its items, so torch's clip there clipped the
+    items' count times the gradient stepped (SGD 8.6e-3 off torch's loop,
+    silently, before 2026-12-08: the refusal was of counted windows only, as
+    under "mean", whose window of one divides by 1). Refused at step(),
+    state_dict(), a copy, accumulated_grad() and opt.clip_grad_norm_(), nothing
+    stepped, until zero_grad() starts the window over; the next window then
+    trains as torch's loop, which divides its loss by the items."""
+    model = _mlp()
+    opt = ak.SGD(model.parameters(), **FUSED["SGD"], accum_steps=accum_steps, intake="grad", normalize="items")
+    before = [p.detach().clone() for p in model.parameters()]
+    gen = torch.Generator().manual_seed(1)
+    model(torch.randn(4, 5, generator=gen)).pow(2).mean().backward()
+    _SUM_EDITS[edit](model)
+    for call in (
+        lambda: opt.step(num_items=4),
+        opt.state_dict,
+        lambda: copy.deepcopy(opt),
+        lambda: opt.accumulated_grad(model[0].weight),
+        lambda: opt.clip_grad_norm_(float("inf")),
+        lambda: opt.step(num_items=4),
+    ):
+        with pytest.raises(RuntimeError, match=r"its items.*divide the loss by the window's items"):
+            call()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    opt.zero_grad()
+    plain_model = _mlp()
+    plain = _torch("SGD")(plain_model.parameters())
+    gen, plain_gen = torch.Generator().manual_seed(2), torch.Generator().manual_seed(2)
+    model(torch.randn(4, 5, generator=gen)).pow(2).mean().backward()
+    opt.step(num_items=4)
+    (plain_model(torch.randn(4, 5, generator=plain_gen)).pow(2).mean() / 4).backward()
+    plain.step()
+    _assert_fused_close(list(model.parameters()), list(plain_model.parameters()), steps=1)
+
+
 @pytest.mark.parametrize("normalize", ["mean", "items"])
 @pytest.mark.parametrize("micro_step", [0, 1], ids=["first-micro-step", "later-micro-step"])
 @pytest.mark.parametrize("edit", list(_SUM_EDITS))

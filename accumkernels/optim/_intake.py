@@ -245,7 +245,7 @@ _SUMS_EDITED = (
     "(normalize='{normalize}'): a clip there clips that undivided sum, not the gradient the step uses. "
     "Clip with max_grad_norm= or opt.clip_grad_norm_(max_norm), which clip the gradient the step uses "
     "(opt.clip_grad_norm_(float('inf')) returns its norm for logging, unclipped); for "
-    "torch's clip on .grad, pass normalize='sum' and divide the loss by the window's micro-batches, as torch's "
+    "torch's clip on .grad, pass normalize='sum' and divide the loss by the window's {by_loss}, as torch's "
     "loop does; to drop a param's sum, set p.grad = None. The window was not stepped: call "
     "optimizer.zero_grad() to start it over"
 )
@@ -1946,22 +1946,26 @@ class GradIntake(Intake):
             self._lost_sums_told = False
 
     def _note_edited_sums(self) -> None:
-        """A counted window that divides its sum at its step (accum_steps=N >
-        1, normalize "mean" or "items"): other code wrote into the buffers
-        after this micro-step's gradients (torch's ``clip_grad_norm_`` or
-        ``clip_grad_value_``, ``p.grad.mul_(c)``). ``.grad`` holds the running
-        sum of the undivided micro-batch gradients, N times what torch's loop
-        holds with its loss divided by N ("mean"): a clip there acts on that
-        undivided sum, not on the gradient the step uses, so the window is
-        refused (refuse_lost_sums) until zero_grad() starts it over. A clear
-        in place of every sum (``model.zero_grad(set_to_none=False)``) is
-        torch's loop's clear, and stays harmless. Only after such a write:
-        one host sync (are the sums all zero?)."""
+        """A window that divides its sum at its step (normalize "mean" with
+        accum_steps=N > 1; "items", whatever accum_steps, a window of one step()
+        call too): other code wrote into the buffers after this micro-step's
+        gradients (torch's ``clip_grad_norm_`` or ``clip_grad_value_``,
+        ``p.grad.mul_(c)``). ``.grad`` holds the running sum of the undivided
+        micro-batch gradients, N times what torch's loop holds with its loss
+        divided by N ("mean"; "items": the items' count times): a clip there
+        acts on that undivided sum, not on the gradient the step uses, so the
+        window is refused (refuse_lost_sums) until zero_grad() starts it over.
+        (Before 2026-12-08 a window of one step() under "items" was let
+        through, as under "mean", whose divisor is 1 there: a clip stepped
+        silently on a gradient clipped before its division.) A clear in place
+        of every sum (``model.zero_grad(set_to_none=False)``) is torch's
+        loop's clear, and stays harmless. Only after such a write: one host
+        sync (are the sums all zero?)."""
         window = self.window
+        divides = window.normalize == "items" or (window.normalize == "mean" and (self.accum_steps or 1) > 1)
         if (
             self._lost_sums is not None
-            or (self.accum_steps or 1) == 1
-            or window.normalize == "sum"
+            or not divides
             or not window.grads_since_step
             or self.layout.flat._version == self._seen_version  # (a write _take saw was noted there)
         ):
@@ -1972,6 +1976,7 @@ class GradIntake(Intake):
                 n=self.accum_steps,
                 by={"mean": "its micro-steps", "items": "its items"}[window.normalize],
                 normalize=window.normalize,
+                by_loss={"mean": "micro-batches", "items": "items (num_items)"}[window.normalize],
             )
             self._lost_sums_told = False
 
