@@ -289,7 +289,8 @@ def _batch(gen, params):
 def _apply(op, model, opt, gen, norms):
     """One call of a torch.optim loop on _mlp() (or an FSDP2 one,
     tests/fsdp_worker.torch_loops): "backward" (twice over one
-    graph: "backward x2"), "step", "zero_grad", "zero_grad(False)",
+    graph: "backward x2"), "step" (ours with normalize="items": ITEMS
+    items), "zero_grad", "zero_grad(False)",
     "model.zero_grad", "model.zero_grad(False)", "p0 = None", "p0.zero_()",
     "p2 = 0.5", "grads /= 4" (each .grad divided in place, as a pipeline
     schedule's scale_grads does), "freeze p1" and "unfreeze p1"
@@ -316,7 +317,7 @@ def _apply(op, model, opt, gen, norms):
             loss.backward(retain_graph=True)
         loss.backward()
     elif op == "step":
-        opt.step()
+        opt.step(**({"num_items": ITEMS} if getattr(opt, "normalize", None) == "items" else {}))
     elif op.startswith("zero_grad"):
         opt.zero_grad(set_to_none=op == "zero_grad")
     elif op.startswith("model.zero_grad"):
@@ -795,6 +796,9 @@ def _step_pair(intake, ops, name="AdamW"):
     return our_norms
 
 
+# The items a step() call gives with normalize="items" (_apply's "step").
+ITEMS = 4
+
 # The calls of the random loops below (backward and step weighted up).
 FUZZ_OPS = [
     *["backward"] * 3,
@@ -903,8 +907,8 @@ COUNTED_OPS = [
 class _CountedTorchLoop:
     """torch.optim's loop that a counted window of ours (accum_steps=``micro``)
     stands for, called with each of our loop's calls (COUNTED_OPS): each
-    loss divided by ``micro`` (ours with normalize="mean"; "sum": not
-    divided), step() and zero_grad() at every micro-th
+    loss divided by ``micro`` (ours with normalize="mean"; "items": by the
+    window's ITEMS a step() call; "sum": not divided), step() and zero_grad() at every micro-th
     step() call (``steps`` counts them). A clear after a step() with no
     backward since is skipped (harmless in ours: the window is the
     wrapper's); one between a backward and its step() is torch's, and
@@ -922,7 +926,7 @@ class _CountedTorchLoop:
 
     def __init__(self, micro: int, intake: str = "grad", name: str = "AdamW", normalize: str = "mean") -> None:
         self.model, self.micro, self.intake = _mlp(), micro, intake
-        self.normalize, self.divisor = normalize, micro if normalize == "mean" else 1
+        self.normalize, self.divisor = normalize, {"mean": micro, "items": ITEMS * micro}.get(normalize, 1)
         self.opt = _torch(name)(self.model.parameters())
         self.gen = torch.Generator().manual_seed(3)
         self.calls, self.since_backward, self.steps = 0, False, 0
@@ -1041,7 +1045,7 @@ class _MicroStepGrads:
         if "written over between two of its step() calls" in message:
             return self.intake == "grad" and self.wrote_over_sums(plain)
         if "written in place after this" in message:  # (normalize="sum": the sum the step uses, torch's)
-            return self.intake == "grad" and plain.normalize == "mean" and self.wrote_over_sums(plain)
+            return self.intake == "grad" and plain.normalize != "sum" and self.wrote_over_sums(plain)
         if "its .grad holds no values" in message:  # (torch's clip reads the marker of a window's sum)
             return self.intake == "hooks" and self.writing == "clip 0.05"
         return False
@@ -1073,7 +1077,7 @@ def test_random_counted_window_loops_train_as_torch_or_are_refused(intake):
         micro = rng.choice([1, 2, 3, 4])  # (1: a lean window, which holds the gradients without a flat buffer)
         ops = [rng.choice(COUNTED_OPS) for _ in range(rng.randint(4, 16))] + ["step"] * micro
         name = rng.choice(list(FUSED))  # (SGD's step is linear in the gradient: AdamW's first hides its size)
-        normalize = rng.choice(["mean", "sum"])  # ("sum": writes over the window's sum are torch's, intake "grad")
+        normalize = rng.choice(["mean", "sum", "items"])  # ("sum": writes over the sum are torch's, intake "grad")
         model, plain = _mlp(), _CountedTorchLoop(micro, intake, name, normalize)
         opt = getattr(ak, name)(
             model.parameters(), **FUSED[name], accum_steps=micro, intake=intake, normalize=normalize
