@@ -2363,6 +2363,58 @@ def _assert_the_next_window_is_torchs(model, opt, items) -> None:
     _assert_fused_close(list(model.parameters()), list(plain_model.parameters()), steps=1)
 
 
+@pytest.mark.parametrize("intake", ["grad", "hooks"])
+@pytest.mark.parametrize("accum_steps", [None, 3], ids=["each-step", "counted"])
+def test_an_items_windows_norm_is_refused_before_its_micro_steps_items_and_clipped_as_torchs_at_the_step(
+    accum_steps, intake
+):
+    """normalize="items": the items of a micro-step come with its
+    step(num_items=...), so after its backward the window's divisor is not
+    known. opt.clip_grad_norm_() and accumulated_grad() there divided by the
+    items counted so far (8 of the window's 12: a norm 1.5 times torch's
+    loop's and a clip too strong, SGD 3.3e-3 off, silently, before
+    2026-12-08; with accum_steps=None, "no items were counted"): refused,
+    naming max_grad_norm=, nothing changed. max_grad_norm= clips at the step,
+    once the items are counted: the params and opt.last_grad_norm are torch's
+    loop's (each loss divided by the window's items, torch's clip before
+    step). Between micro-steps the window so far reads as its items so far."""
+    micro = accum_steps or 1
+    models = [_mlp(), _mlp()]
+    ours = ak.SGD(
+        models[0].parameters(),
+        **FUSED["SGD"],
+        accum_steps=accum_steps,
+        intake=intake,
+        normalize="items",
+        max_grad_norm=0.05,
+    )
+    plain = _torch("SGD")(models[1].parameters())
+    gens = [torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)]
+    for window in range(2):
+        for k in range(micro):
+            models[0](torch.randn(4, 5, generator=gens[0])).pow(2).sum().backward()
+            if window == 0 and k == micro - 1:
+                before = [p.detach().clone() for p in models[0].parameters()]
+                for call in (lambda: ours.clip_grad_norm_(0.05), lambda: ours.accumulated_grad(models[0][0].weight)):
+                    with pytest.raises(RuntimeError, match=r"its items come with its step\(num_items.*max_grad_norm="):
+                        call()
+                assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), before))
+            ours.step(num_items=ITEMS)
+            if window == 0 and k == 0 and micro > 1:  # (between micro-steps: the window so far, of its items so far)
+                expected = models[0][0].weight.grad if intake == "grad" else None
+                got = ours.accumulated_grad(models[0][0].weight)
+                if expected is not None:
+                    torch.testing.assert_close(got, expected / ITEMS, rtol=0, atol=0)
+            (models[1](torch.randn(4, 5, generator=gens[1])).pow(2).sum() / (ITEMS * micro)).backward()
+        norm = torch.nn.utils.clip_grad_norm_(models[1].parameters(), 0.05)
+        plain.step()
+        plain.zero_grad()
+        if accum_steps is None:
+            ours.zero_grad()
+        torch.testing.assert_close(ours.last_grad_norm, norm, rtol=1e-6, atol=0)
+    _assert_fused_close(list(models[0].parameters()), list(models[1].parameters()), steps=2)
+
+
 @pytest.mark.parametrize("accum_steps", [None, 1], ids=["each-step", "lean"])
 @pytest.mark.parametrize("edit", list(_SUM_EDITS))
 def test_an_items_windows_sum_edited_after_its_backward_is_refused_in_a_window_of_one_step(edit, accum_steps):

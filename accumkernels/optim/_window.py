@@ -155,6 +155,17 @@ class Window:
             return self.divisor
         if self.normalize == "mean":
             return self.divisor / max(1, self.micro_steps + (1 if pending else 0))
+        if pending:
+            # The micro-step's items come with its step(num_items=...): the
+            # window's divisor is not known yet (the items so far would give a
+            # larger gradient than any step uses: a clip too strong, silently).
+            raise RuntimeError(
+                "normalize='items': this micro-step's gradients arrived, but its items come with its "
+                "step(num_items=...), so the window's gradient (its sum divided by all its items) is not known yet. "
+                "Clip with max_grad_norm=, which clips at the window's step once its items are counted "
+                "(opt.last_grad_norm holds the norm it clipped), or read the window between micro-steps (after a "
+                "step(), before the next backward)"
+            )
         if isinstance(self.items, torch.Tensor):
             return self.divisor / self.items
         if self.items <= 0:
