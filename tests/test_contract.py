@@ -2364,6 +2364,50 @@ def _assert_the_next_window_is_torchs(model, opt, items) -> None:
 
 
 @pytest.mark.parametrize("intake", ["grad", "hooks"])
+@pytest.mark.parametrize(
+    "accum_steps, at",
+    [(None, 0), (1, 0), (3, 0), (3, 1), (3, 2)],
+    ids=["each-step", "lean", "counted-first", "counted-middle", "counted-last"],
+)
+def test_our_clip_clips_the_window_so_far_as_torchs_clip_of_grad(intake, accum_steps, at):
+    """opt.clip_grad_norm_() clips the window's gradient so far, as torch's
+    clip_grad_norm_ clips .grad: a gradient that arrives after it (a later
+    backward of the window; in a window of one step() call, a second
+    backward into other params) is not clipped, and a norm read after it is
+    the clipped window's (torch's second clip returns max_norm). With
+    normalize="sum" our window so far is torch's .grad (its losses
+    undivided), so both loops are the same. (Before 2026-12-08 intake
+    "hooks" kept the coefficient for the step, which clipped the later
+    gradients too: 1.3e-2 off torch's loop and intake "grad", silently; and
+    its second norm was the unclipped one.)"""
+    micro = accum_steps or 1
+    models = [_mlp(), _mlp()]
+    ours = ak.SGD(models[0].parameters(), **FUSED["SGD"], accum_steps=accum_steps, intake=intake, normalize="sum")
+    plain = _torch("SGD")(models[1].parameters())
+    norms = [[], []]
+    for side, (model, opt) in enumerate(zip(models, (ours, plain))):
+        gen = torch.Generator().manual_seed(3)
+        first, last = list(model[0].parameters()), list(model[2].parameters())
+        clip = opt.clip_grad_norm_ if side == 0 else functools.partial(nn.utils.clip_grad_norm_, first + last)
+        for _ in range(2):
+            for k in range(micro):
+                loss = model(torch.randn(4, 5, generator=gen)).pow(2).mean()
+                loss.backward(inputs=first if micro == 1 else None, retain_graph=micro == 1)
+                if k == at:
+                    norms[side] += [clip(0.05).item(), clip(math.inf).item()]
+                if micro == 1:  # (a window of one step() call: a backward after the clip, into the other params)
+                    loss.backward(inputs=last)
+                if side == 0:
+                    opt.step()
+            if side == 1:
+                opt.step()
+            opt.zero_grad()
+    torch.testing.assert_close(torch.tensor(norms[0]), torch.tensor(norms[1]), rtol=1e-6, atol=0)
+    assert norms[0][1] == pytest.approx(0.05, rel=1e-5), "the second norm is the clipped window's"
+    _assert_fused_close(list(models[0].parameters()), list(models[1].parameters()), steps=2)
+
+
+@pytest.mark.parametrize("intake", ["grad", "hooks"])
 @pytest.mark.parametrize("accum_steps", [None, 3], ids=["each-step", "counted"])
 def test_an_items_windows_norm_is_refused_before_its_micro_steps_items_and_clipped_as_torchs_at_the_step(
     accum_steps, intake

@@ -1495,8 +1495,18 @@ class HookIntake(Intake):
             _amp.report_found_inf(scaler, optimizer, self.layout.device, found_inf)
 
     def clip(self, records: list[ParamRecord], coef: torch.Tensor) -> None:
-        """By the next window step (there is no .grad to clip now)."""
-        self.window.clip_coef = coef
+        """As intake "grad"'s, the window so far is clipped now (its sums scaled
+        in place), so that a gradient arriving after the clip (a later
+        backward of the window) is not, as torch's clip of ``.grad`` leaves
+        it, and a norm read after it is the clipped window's. (Before
+        2026-12-08 the coefficient waited for the step and clipped those
+        too: 1.3e-2 off torch's loop, silently.) Lean: the held gradients go
+        into the flat buffer first, where the scaling rounds once, in fp32."""
+        if not records:  # no gradient in the window (its norm is 0), as torch's on no .grad
+            return
+        if self.layout.flat is None:
+            self._materialize()
+        torch._foreach_mul_([r.buffer for r in records], coef)
 
     def end_window(self, optimizer) -> None:
         self._used_clip = self.window.clip_coef  # (before max_grad_norm='s is combined: applied in the step)

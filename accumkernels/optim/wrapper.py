@@ -15,6 +15,7 @@ per param), ``_window`` (what the window has seen, normalization),
 from __future__ import annotations
 
 import functools
+import math
 from collections import OrderedDict
 from itertools import chain
 from typing import Any
@@ -502,10 +503,11 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip the window's gradient to ``max_norm`` and return its global L2
-        norm (0-dim fp32 on the device, no host sync), as torch's
-        ``clip_grad_norm_`` on plain ``.grad``: with intake "grad" ``.grad`` is
-        clipped now, with "hooks" by the next window step. Across ranks only
+        """Clip the window's gradient so far to ``max_norm`` and return its
+        global L2 norm (0-dim fp32 on the device, no host sync), as torch's
+        ``clip_grad_norm_`` on plain ``.grad``: the window's sums are scaled
+        now, with both intakes, so a gradient of a later backward is not
+        clipped, and a norm read after it is the clipped one. Across ranks only
         once the window is reduced (intake "grad", after its last backward);
         else pass ``max_grad_norm=``. ``max_norm=float("inf")`` clips nothing:
         the norm for logging, as torch's."""
@@ -520,7 +522,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._take_in_refusing_lost("clip_grad_norm_()")
         records = self._sync.norm_records()
         norm = self._updater.norm(records, self._intake.held_scale(self._normalization_so_far()))
-        self._intake.clip(records, clip_coefficient(max_norm, norm))
+        if max_norm != math.inf:  # (inf: the norm to log, which clips nothing: no write, a lean window stays lean)
+            self._intake.clip(records, clip_coefficient(max_norm, norm))
         return norm
 
     def close(self) -> None:
