@@ -150,7 +150,8 @@ class Window:
     def normalization(self, pending: bool = False):
         """A / D of the module docstring for this rank's window so far (``pending``:
         count the micro-step in progress, whose gradients arrived but whose
-        step() has not: the intake's micro_step_has_gradients())."""
+        step() has not: the intake's micro_step_has_gradients(); under "items"
+        refused there, its items not counted yet)."""
         if self.normalize == "sum":
             return self.divisor
         if self.normalize == "mean":
